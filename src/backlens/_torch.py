@@ -1,0 +1,172 @@
+"""The one place backlens touches private torch APIs.
+
+Each private entry point is looked up once, behind a capability flag that
+``bl.doctor()`` prints. A missing one degrades the feature that needs it and
+says why (see ``CAPABILITIES``), instead of failing at import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.autograd
+import torch.autograd.graph
+
+_autograd_c = getattr(torch._C, "_autograd", None)
+
+
+@dataclass(frozen=True)
+class Capability:
+    name: str
+    present: bool
+    used_for: str
+    without_it: str
+
+
+def _lookup(owner: Any, name: str) -> Callable[..., Any] | None:
+    return getattr(owner, name, None) if owner is not None else None
+
+
+_get_sequence_nr = _lookup(_autograd_c, "_get_sequence_nr")
+_current_autograd_node = _lookup(torch._C, "_current_autograd_node")
+_current_graph_task_id = _lookup(torch._C, "_current_graph_task_id")
+_keep_graph = _lookup(_autograd_c, "_get_current_graph_task_keep_graph")
+_execution_engine = getattr(getattr(torch.autograd, "Variable", None), "_execution_engine", None)
+_queue_callback = _lookup(_execution_engine, "queue_callback")
+_engine_in_graph = getattr(torch.autograd.graph, "_engine_run_backward", None)
+_engine_in_autograd = getattr(torch.autograd, "_engine_run_backward", None)
+
+HAS_SEQUENCE_NR = _get_sequence_nr is not None
+HAS_CURRENT_AUTOGRAD_NODE = _current_autograd_node is not None
+HAS_CURRENT_GRAPH_TASK_ID = _current_graph_task_id is not None
+HAS_GRAPH_TASK_KEEP_GRAPH = _keep_graph is not None
+HAS_ENGINE_QUEUE_CALLBACK = _queue_callback is not None
+HAS_ENGINE_RUN_BACKWARD = _engine_in_graph is not None and _engine_in_autograd is not None
+HAS_NODE_PREHOOK = hasattr(torch.autograd.graph.Node, "register_prehook")
+
+CAPABILITIES: tuple[Capability, ...] = (
+    Capability(
+        "HAS_SEQUENCE_NR",
+        HAS_SEQUENCE_NR,
+        "pairing autograd nodes with the forward op and module that created them",
+        "nodes are paired only through each op's output grad_fn; inner nodes get module 'inferred'",
+    ),
+    Capability(
+        "HAS_ENGINE_RUN_BACKWARD",
+        HAS_ENGINE_RUN_BACKWARD,
+        "opening one BackwardPass per backward()/grad() call with its call site",
+        "every pass is implicit, with call_site None",
+    ),
+    Capability(
+        "HAS_CURRENT_GRAPH_TASK_ID",
+        HAS_CURRENT_GRAPH_TASK_ID,
+        "telling engine runs apart (implicit passes, shared parameter nodes)",
+        "fires are assigned to the open pass of the capture",
+    ),
+    Capability(
+        "HAS_ENGINE_QUEUE_CALLBACK",
+        HAS_ENGINE_QUEUE_CALLBACK,
+        "closing an implicit pass when the engine drains",
+        "implicit passes close at the next read of the capture",
+    ),
+    Capability(
+        "HAS_GRAPH_TASK_KEEP_GRAPH",
+        HAS_GRAPH_TASK_KEEP_GRAPH,
+        "reading retain_graph of implicit passes",
+        "an implicit pass reports retain_graph None",
+    ),
+    Capability(
+        "HAS_CURRENT_AUTOGRAD_NODE",
+        HAS_CURRENT_AUTOGRAD_NODE,
+        "charging each backward ATen call to the node that ran it (FLOP attribution)",
+        "all backward FLOPs land in the unattributed bucket",
+    ),
+    Capability(
+        "HAS_NODE_PREHOOK",
+        HAS_NODE_PREHOOK,
+        "timing node fires and editing gradients before a node runs",
+        "fire timing and gradient edits are unavailable",
+    ),
+)
+
+
+def sequence_nr() -> int | None:
+    """The calling thread's next autograd sequence number (None if unknown)."""
+    return _get_sequence_nr() if _get_sequence_nr is not None else None
+
+
+def current_autograd_node() -> torch.autograd.graph.Node | None:
+    """The autograd node the engine is executing on this thread, if any."""
+    return _current_autograd_node() if _current_autograd_node is not None else None
+
+
+def current_graph_task_id() -> int:
+    """Id of the engine run executing on this thread; -1 outside the engine."""
+    return _current_graph_task_id() if _current_graph_task_id is not None else -1
+
+
+def current_keep_graph() -> bool | None:
+    """Whether the running engine task retains its graph (None if unknown)."""
+    if _keep_graph is None:
+        return None
+    try:
+        return bool(_keep_graph())
+    except RuntimeError:
+        return None
+
+
+def queue_engine_callback(fn: Callable[[], None]) -> bool:
+    """Run ``fn`` when the current engine run drains. False when unavailable."""
+    if _queue_callback is None:
+        return False
+    _queue_callback(fn)
+    return True
+
+
+def install_engine_wrapper(wrapper_factory: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
+    """Replace ``_engine_run_backward`` under both names it is imported by.
+
+    ``torch.autograd.backward`` and ``torch.autograd.grad`` look the name up in
+    ``torch.autograd``; ``torch.autograd.graph`` holds the definition. Both are
+    rebound to one wrapper, once per process.
+    """
+    if not HAS_ENGINE_RUN_BACKWARD:
+        return False
+    original = torch.autograd.graph._engine_run_backward
+    if getattr(original, "__backlens_wrapper__", False):
+        return True
+    wrapped = wrapper_factory(original)
+    wrapped.__backlens_wrapper__ = True  # type: ignore[attr-defined]
+    wrapped.__wrapped__ = original  # type: ignore[attr-defined]
+    torch.autograd.graph._engine_run_backward = wrapped
+    torch.autograd._engine_run_backward = wrapped
+    return True
+
+
+def engine_wrapper_installed() -> bool:
+    return bool(getattr(getattr(torch.autograd, "_engine_run_backward", None), "__backlens_wrapper__", False))
+
+
+def is_accumulate_grad(node: Any) -> bool:
+    return type(node).__name__ == "AccumulateGrad"
+
+
+def accumulate_grad_variable(node: Any) -> torch.Tensor | None:
+    return getattr(node, "variable", None)
+
+
+def node_sequence_nr(node: Any) -> int | None:
+    fn = getattr(node, "_sequence_nr", None)
+    return fn() if fn is not None else None
+
+
+def is_custom_function_node(node: Any) -> bool:
+    """True for nodes of user ``torch.autograd.Function`` subclasses."""
+    return isinstance(node, torch.autograd.function.BackwardCFunction)
+
+
+def saved_tensor_version_mismatch_text() -> str:
+    return "modified by an inplace operation"

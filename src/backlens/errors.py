@@ -1,0 +1,146 @@
+"""Every error backlens raises, and its one warning class.
+
+Each error is a :class:`BacklensError` with a snake_case ``code`` and a
+one-sentence ``remedy``, and also subclasses the builtin a user would catch
+(``RuntimeError``, ``KeyError``, ``ValueError``, ``NotImplementedError``), so
+``except RuntimeError`` keeps working around code that starts using backlens.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AmbiguousGradError",
+    "BacklensError",
+    "BacklensWarning",
+    "BackwardUnavailableError",
+    "BundleError",
+    "CaptureClosedError",
+    "FreedGraphError",
+    "LabelNotFoundError",
+    "NoGradForwardError",
+    "NoGradientPathError",
+    "OutOfOrderError",
+    "TraceError",
+    "UnsupportedInputError",
+]
+
+
+class BacklensError(Exception):
+    """Base of every backlens error.
+
+    ``code`` names the failure for programs; ``remedy`` tells a person what
+    to do about it. Subclasses set class-level defaults; an instance may
+    override either.
+    """
+
+    code: str = "backlens_error"
+    remedy: str = "See the message above."
+
+    def __init__(self, message: str, *, code: str | None = None, remedy: str | None = None):
+        if code is not None:
+            self.code = code
+        if remedy is not None:
+            self.remedy = remedy
+        self.message = message
+        super().__init__(message)
+
+    def __str__(self) -> str:
+        text = self.message
+        if self.remedy and self.remedy not in text:
+            text = f"{text}\nRemedy: {self.remedy}"
+        return text
+
+    def __reduce__(self):
+        return (_rebuild, (type(self), self.message, self.code, self.remedy))
+
+
+def _rebuild(cls, message, code, remedy):
+    return cls(message, code=code, remedy=remedy)
+
+
+class AmbiguousGradError(BacklensError, RuntimeError):
+    """``.grad`` was read where zero or several gradients were saved."""
+
+    code = "ambiguous_grad"
+    remedy = "Pick one with .grads[i] or .grad_for(pass_=k)."
+
+
+class BackwardUnavailableError(BacklensError, RuntimeError):
+    """The capture cannot run or record a backward pass."""
+
+    code = "backward_unavailable"
+    remedy = "Capture the forward with gradients enabled and backward=True."
+
+
+class BundleError(BacklensError, ValueError):
+    """A bundle on disk is missing, corrupt, or cannot be written."""
+
+    code = "bundle_error"
+    remedy = "Save the capture again with cap.save(path), or point bl.load at a bundle directory."
+
+
+class CaptureClosedError(BacklensError, RuntimeError):
+    """An operation needs hooks that ``close()`` already removed."""
+
+    code = "capture_closed"
+    remedy = "Make a new capture with bl.capture(...)."
+
+
+class LabelNotFoundError(BacklensError, KeyError):
+    """A label, address or name matched no record."""
+
+    code = "label_not_found"
+    remedy = "Use one of the labels listed in the message."
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return BacklensError.__str__(self)
+
+
+class OutOfOrderError(BacklensError, RuntimeError):
+    """A gradient was requested before a later-forward one it depends on."""
+
+    code = "out_of_order"
+    remedy = "Request gradients in reverse forward order: later layers first."
+
+
+class FreedGraphError(BacklensError, RuntimeError):
+    """A backward ran over a graph an earlier backward freed."""
+
+    code = "freed_graph"
+    remedy = "Pass retain_graph=True to every .backward() but the last."
+
+
+class NoGradForwardError(BacklensError, NotImplementedError):
+    """A backward block was opened over a tensor that carries no graph."""
+
+    code = "no_grad_forward"
+    remedy = "Run the forward with gradients enabled (no torch.no_grad / inference_mode)."
+
+
+class NoGradientPathError(BacklensError, RuntimeError):
+    """A gradient was requested for a tensor the loss does not depend on."""
+
+    code = "no_gradient_path"
+    remedy = "Request the gradient of a tensor that the loss depends on."
+
+
+class TraceError(BacklensError, RuntimeError):
+    """A live trace was used in a way it cannot serve."""
+
+    code = "trace_error"
+    remedy = "See the message above."
+
+
+class UnsupportedInputError(BacklensError, ValueError):
+    """An argument backlens cannot work with (wrong type, uncombinable batch)."""
+
+    code = "unsupported_input"
+    remedy = "Pass the kind of value the message names."
+
+
+class BacklensWarning(UserWarning):
+    """The one warning class; ``code`` names what happened."""
+
+    def __init__(self, message: str, *, code: str = "backlens_warning"):
+        self.code = code
+        super().__init__(message)
