@@ -5,7 +5,9 @@ pass over its graph; :func:`wrap` gives a lens whose ``trace()`` block runs
 your code during the real forward and backward.
 """
 
+from backlens import report
 from backlens._version import __version__
+from backlens.capture.capture import Capture, capture
 from backlens.errors import (
     AmbiguousGradError,
     BacklensError,
@@ -17,13 +19,26 @@ from backlens.errors import (
     NoGradientPathError,
     OutOfOrderError,
 )
+from backlens.graph.engine import CallSite
+from backlens.records.backward import BackwardPass, GradFn, GradFnCall
+from backlens.records.grads import GradRecord
+from backlens.report.doctor import doctor
 
 __all__ = [
     "AmbiguousGradError",
     "BacklensError",
     "BacklensWarning",
     "BackwardUnavailableError",
+    "BackwardPass",
     "BundleError",
+    "CallSite",
+    "Capture",
+    "GradFn",
+    "GradFnCall",
+    "GradRecord",
+    "capture",
+    "doctor",
+    "report",
     "FreedGraphError",
     "NoGradForwardError",
     "NoGradientPathError",

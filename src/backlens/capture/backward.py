@@ -1,0 +1,326 @@
+"""Backward recording: node discovery, per-fire hooks, passes and the call journal.
+
+Every node of the capture's graph gets one pre-hook and one post-hook. A fire
+is journalled as a :class:`CallEntry` (node, pass, ordinal, timing, the
+gradients the pass's policy keeps); records are built from the journal when
+read. Hooks never change gradients unless an edit is armed for that node.
+"""
+
+from __future__ import annotations
+
+import time
+from bisect import bisect_right
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+
+from backlens import _torch
+from backlens.capture.policy import GRAD_INPUT, GRAD_OUTPUT, GradPolicy
+from backlens.graph import engine
+from backlens.graph.discovery import walk_new
+from backlens.graph.table import NodeTable
+from backlens.records.backward import BackwardPass
+
+_now = time.perf_counter_ns
+_task_id = _torch.current_graph_task_id
+_sequence_nr = _torch.sequence_nr
+
+
+@dataclass(eq=False)
+class CallEntry:
+    """One journalled fire of one node."""
+
+    node: int
+    pass_number: int
+    ordinal: int
+    start_ns: int | None
+    end_ns: int
+    grad_inputs: tuple | None
+    grad_outputs: tuple | None
+    seq_start: int | None = None
+    seq_end: int | None = None
+
+
+@dataclass(eq=False)
+class PassState:
+    """Journal-side state of one pass (the public record is ``record``)."""
+
+    record: BackwardPass
+    run: engine.Run
+    policy: GradPolicy
+    sides: list[int]
+    start_ns: int
+    call_indices: list[int]
+    created_roots: list[Any]
+    seq_start: int | None
+    seq_end: int | None = None
+    result: Any = None
+
+
+class BackwardRecorder:
+    """Records every backward engine run over one capture's graph."""
+
+    def __init__(
+        self,
+        table: NodeTable,
+        output_roots: list[Any],
+        owns_sequence_nr: Callable[[int], bool],
+        policy: GradPolicy,
+        timing: bool,
+        on_nodes_added: Callable[[list[int]], None],
+        grad_fn_record: Callable[[int], Any],
+        on_pass_closed: Callable[[PassState, BaseException | None], BaseException | None],
+    ):
+        self.table = table
+        self.policy = policy
+        self.timing = timing
+        self.passes: list[PassState] = []
+        self.calls: list[CallEntry] = []
+        self.node_calls: list[list[int]] = []
+        self._output_roots = list(output_roots)
+        self._owns_sequence_nr = owns_sequence_nr
+        self._on_nodes_added = on_nodes_added
+        self._grad_fn_record = grad_fn_record
+        self._on_pass_closed = on_pass_closed
+        self._handles: list[Any] = []
+        self._pre_hooked: set[Any] = set()
+        self._forward_discovered = False
+        self._task: int | None = None
+        self._pass: PassState | None = None
+        self._starts: dict[int, tuple[int, int | None]] = {}
+        self._next_policy: GradPolicy | None = None
+        self.armed = False
+        self.hooking = True
+        self.pre_edits: dict[int, Callable[[tuple, PassState], tuple | None]] = {}
+
+    # -- arming ----------------------------------------------------------
+    def arm(self) -> None:
+        """Route engine runs here; sentinel pre-hooks on the output nodes catch
+        a first run that bypasses the entry points."""
+        if self.armed:
+            return
+        self.armed = True
+        for node in self._output_roots:
+            if node not in self._pre_hooked:
+                self._handles.append(node.register_prehook(partial(self._on_sentinel_pre, node)))
+                self._pre_hooked.add(node)
+        engine.arm(self)
+
+    def disarm(self) -> None:
+        self.armed = False
+        engine.disarm(self)
+
+    def remove_hooks(self) -> None:
+        self.disarm()
+        self.hooking = False
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._pre_hooked.clear()
+        self._output_roots = []
+        self._starts.clear()
+
+    # -- discovery -------------------------------------------------------
+    def discover_forward(self) -> None:
+        if self._forward_discovered:
+            return
+        self._forward_discovered = True
+        found, _reached = walk_new(self._output_roots, self.table.knows)
+        self._add(found)
+
+    def _add(self, found: list[Any]) -> list[int]:
+        added = self.table.add(found)
+        for index in added:
+            self.node_calls.append([])
+            node = self.table.nodes[index]
+            if self.hooking:
+                self._hook(node, index)
+        if added:
+            self._on_nodes_added(added)
+        return added
+
+    def _hook(self, node: Any, index: int) -> None:
+        if node not in self._pre_hooked:
+            self._handles.append(node.register_prehook(partial(self._on_pre, index)))
+            self._pre_hooked.add(node)
+        self._handles.append(node.register_hook(partial(self._on_post, index)))
+
+    def claim(self, roots: list[Any]) -> bool:
+        """Whether a run from ``roots`` touches this capture's graph (discovers loss nodes)."""
+        if not self.armed:
+            return False
+        self.discover_forward()
+        found, reached = walk_new(roots, self.table.knows)
+        entries = self.table.entries
+        index_of = self.table.index_of
+        owned = any(not _torch.is_accumulate_grad(node) for node in reached)
+        if not owned:
+            for node in reached:  # a leaf-only touch counts when it is one of our inputs
+                if entries[index_of[node]].source is not None and entries[index_of[node]].param is None:
+                    owned = True
+                    break
+        if not owned:
+            owned = any(
+                (seq := _torch.node_sequence_nr(node)) is not None and self._owns_sequence_nr(seq)
+                for node in found
+            )
+        if owned:
+            self._add(found)
+        return owned
+
+    def owns_non_leaf(self, node: Any) -> bool:
+        index = self.table.index_of.get(node)
+        if index is None:
+            return False
+        entry = self.table.entries[index]
+        return entry.type != "AccumulateGrad" or (entry.source is not None and entry.param is None)
+
+    # -- passes ----------------------------------------------------------
+    def use_policy_for_next_pass(self, policy: GradPolicy | None) -> None:
+        self._next_policy = policy
+
+    def open_pass(self, run: engine.Run) -> BackwardPass:
+        policy = self._next_policy or self.policy
+        self._next_policy = None
+        number = len(self.passes) + 1
+        record = BackwardPass(
+            number=number,
+            trigger=run.trigger,
+            call_site=run.call_site,
+            retain_graph=run.retain_graph,
+            create_graph=run.create_graph,
+            save_grads_policy=policy,
+        )
+        sides = [policy.sides(self._grad_fn_record(i), number) for i in range(len(self.table))]
+        state = PassState(
+            record=record,
+            run=run,
+            policy=policy,
+            sides=sides,
+            start_ns=_now(),
+            call_indices=[],
+            created_roots=[],
+            seq_start=_sequence_nr(),
+        )
+        self.passes.append(state)
+        return state
+
+    def close_pass(self, state: PassState, error: BaseException | None) -> BaseException | None:
+        if self._pass is state:
+            self._task = None
+            self._pass = None
+        record = state.record
+        if record.status != "running":
+            return None
+        record.duration = (_now() - state.start_ns) / 1e9
+        record.status = "failed" if error is not None else "ok"
+        record.error = error
+        state.seq_end = _sequence_nr()
+        if state.run.create_graph and error is None:
+            self._discover_created(state)
+        record.orders = sorted(
+            {order for i in state.call_indices if (order := self.table.entries[self.calls[i].node].order) is not None}
+        )
+        return self._on_pass_closed(state, error)
+
+    def _discover_created(self, state: PassState) -> None:
+        roots = list(state.created_roots)
+        result = state.result
+        if isinstance(result, (tuple, list)):
+            roots.extend(t.grad_fn for t in result if isinstance(t, torch.Tensor) and t.grad_fn is not None)
+        state.created_roots = []
+        found, _reached = walk_new(roots, self.table.knows)
+        added = self._add(found)
+        resolved = sum(1 for i in added if self.table.entries[i].order is not None)
+        state.record.order_coverage = resolved / len(added) if added else 1.0
+
+    def order_for_created(self, seq: int | None) -> tuple[int | None, int | None]:
+        """(order, creator node index) for a node made after the forward."""
+        if seq is None:
+            return 1, None
+        for state in self.passes:
+            if not state.run.create_graph or state.seq_start is None:
+                continue
+            end = state.seq_end if state.seq_end is not None else _sequence_nr()
+            if not (state.seq_start <= seq < (end or 0)):
+                continue
+            calls = [self.calls[i] for i in state.call_indices if self.calls[i].seq_start is not None]
+            starts = [c.seq_start for c in calls]
+            pos = bisect_right(starts, seq) - 1
+            if pos >= 0 and calls[pos].seq_end is not None and seq < calls[pos].seq_end:
+                creator = calls[pos].node
+                creator_order = self.table.entries[creator].order
+                return (creator_order + 1 if creator_order is not None else None), creator
+            return None, None
+        return 1, None
+
+    def close_stale(self) -> None:
+        """Backstop: close implicit passes whose engine run has drained."""
+        if any(s.record.status == "running" and not s.run.explicit for s in self.passes):
+            engine.close_stale_implicit_runs(_task_id())
+
+    # -- hooks (hot path) --------------------------------------------------
+    def _current(self, index: int) -> PassState | None:
+        task = _task_id()
+        if task == self._task:
+            return self._pass
+        nodes = self.table.nodes
+        if index >= len(nodes):
+            return None
+        state = engine.pass_for(self, task, nodes[index])
+        if state is not None:
+            self._task = task
+            self._pass = state
+        return state
+
+    def _on_sentinel_pre(self, node: Any, grad_outputs: tuple) -> tuple | None:
+        if not self.armed:
+            return None
+        if not self._forward_discovered:
+            self.discover_forward()
+        index = self.table.index_of.get(node)
+        if index is None:
+            return None
+        return self._on_pre(index, grad_outputs)
+
+    def _on_pre(self, index: int, grad_outputs: tuple) -> tuple | None:
+        state = self._current(index)
+        if state is None:
+            return None
+        self._starts[index] = (_now(), _sequence_nr() if state.run.create_graph else None)
+        edit = self.pre_edits.get(index)
+        if edit is not None:
+            return edit(grad_outputs, state)
+        return None
+
+    def _on_post(self, index: int, grad_inputs: tuple, grad_outputs: tuple) -> None:
+        end = _now()
+        state = self._current(index)
+        if state is None:
+            return None
+        start, seq_start = self._starts.pop(index, (None, None))
+        sides = state.sides[index] if index < len(state.sides) else 0
+        ordinals = self.node_calls[index]
+        call_index = len(self.calls)
+        entry = CallEntry(
+            node=index,
+            pass_number=state.record.number,
+            ordinal=len(ordinals) + 1,
+            start_ns=start if self.timing else None,
+            end_ns=end,
+            grad_inputs=tuple(grad_inputs) if sides & GRAD_INPUT else None,
+            grad_outputs=tuple(grad_outputs) if sides & GRAD_OUTPUT else None,
+        )
+        if state.run.create_graph:
+            entry.seq_start = seq_start
+            entry.seq_end = _sequence_nr()
+            for grad in (*grad_inputs, *grad_outputs):
+                if grad is not None and grad.grad_fn is not None:
+                    state.created_roots.append(grad.grad_fn)
+        self.calls.append(entry)
+        ordinals.append(call_index)
+        state.call_indices.append(call_index)
+        return None

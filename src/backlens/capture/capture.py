@@ -1,0 +1,603 @@
+"""``bl.capture``: record a forward and every backward pass over its graph."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from backlens import _torch
+from backlens.capture.backward import BackwardRecorder, PassState
+from backlens.capture.forward import (
+    ActivationPolicy,
+    ForwardJournal,
+    ForwardRecorder,
+    iter_named_tensors,
+)
+from backlens.capture.policy import GradPolicy
+from backlens.errors import (
+    BacklensError,
+    BackwardUnavailableError,
+    CaptureClosedError,
+    UnsupportedInputError,
+)
+from backlens.graph import engine
+from backlens.graph.table import NodeTable, Pairing
+from backlens.records.backward import (
+    GRAD_FN_COLUMNS,
+    CallList,
+    GradFn,
+    GradFnCall,
+    PassList,
+)
+from backlens.records.base import RecordList, label_not_found
+from backlens.records.forward import (
+    INPUT_COLUMNS,
+    MODULE_COLUMNS,
+    OP_COLUMNS,
+    PARAM_COLUMNS,
+    InputRecord,
+    ModuleCallRecord,
+    OpRecord,
+    ParamRecord,
+)
+from backlens.records.grads import GradRecord
+
+
+def capture(
+    model: torch.nn.Module,
+    *args: Any,
+    save_grads: Any = False,
+    save_activations: Any = False,
+    storage: Any = None,
+    flops: bool = True,
+    timing: bool = True,
+    intervene: Any = (),
+    backward: bool = True,
+    **kwargs: Any,
+) -> Capture:
+    """Run ``model(*args, **kwargs)`` once, record it, and arm backward capture.
+
+    The user's graph is not changed: no clone or identity nodes are inserted,
+    inputs are not copied, and gradients reach leaves and parameters exactly as
+    without backlens. See API.md §1 for every option.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise UnsupportedInputError(
+            f"bl.capture needs a torch.nn.Module, got {type(model).__name__}.",
+            code="not_a_module",
+            remedy="Wrap the callable in an nn.Module (its forward calls the function) and capture that.",
+        )
+    if storage is not None or (intervene not in ((), None, [])):
+        raise BacklensError(
+            "storage= and intervene= are not available in this version of backlens.",
+            code="not_available",
+            remedy="Capture without storage= and intervene=.",
+        )
+    grad_policy = GradPolicy(save_grads)
+    journal = ForwardJournal()
+    recorder = ForwardRecorder(journal, ActivationPolicy(save_activations))
+    params = dict(model.named_parameters())
+    for name, param in params.items():
+        recorder.register_source(param, "param", name)
+    for name, buffer in model.named_buffers():
+        recorder.register_source(buffer, "buffer", name)
+    inputs = _named_inputs(args, kwargs)
+    input_sources = []
+    for name, tensor in inputs:
+        recorder.register_source(tensor, "input", name)
+        input_sources.append(len(journal.sources) - 1)
+    grad_enabled = torch.is_grad_enabled()
+    inference_mode = torch.is_inference_mode_enabled()
+
+    recorder.attach(model)
+    journal.seq_start = _torch.sequence_nr()
+    try:
+        with recorder:
+            output = model(*args, **kwargs)
+    finally:
+        recorder.detach()
+    journal.seq_end = _torch.sequence_nr()
+    return Capture(
+        model=model,
+        output=output,
+        journal=journal,
+        params=params,
+        inputs=inputs,
+        input_sources=input_sources,
+        grad_policy=grad_policy,
+        backward=backward,
+        timing=timing,
+        flops=flops,
+        forward_grad_mode=(grad_enabled, inference_mode),
+    )
+
+
+def _named_inputs(args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
+    named = []
+    for position, arg in enumerate(args):
+        named.extend(iter_named_tensors(arg, f"args[{position}]"))
+    for key, value in kwargs.items():
+        named.extend(iter_named_tensors(value, key))
+    seen: set[int] = set()
+    unique = []
+    for name, tensor in named:
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            unique.append((name, tensor))
+    return unique
+
+
+class Capture:
+    """A recorded forward and the backward passes run over its graph."""
+
+    def __init__(
+        self,
+        *,
+        model: torch.nn.Module,
+        output: Any,
+        journal: ForwardJournal,
+        params: dict[str, torch.nn.Parameter],
+        inputs: list[tuple[str, torch.Tensor]],
+        input_sources: list[int],
+        grad_policy: GradPolicy,
+        backward: bool,
+        timing: bool,
+        flops: bool,
+        forward_grad_mode: tuple[bool, bool],
+    ):
+        self.output = output
+        self.backward_requested = backward
+        self.flops_enabled = flops
+        self._journal = journal
+        self._closed = False
+        self._params = {name: weakref.ref(p) for name, p in params.items()}
+        self._module_types = {address: type(m).__name__ for address, m in model.named_modules()}
+        self._source_ids: dict[int, int] = {id(p): i for i, p in enumerate(params.values())}
+        self._input_tensors = [tensor for _name, tensor in inputs]
+        self._input_source_index = {src: i for i, src in enumerate(input_sources)}
+        for i, (_name, tensor) in enumerate(inputs):
+            self._source_ids[id(tensor)] = input_sources[i]
+        self._output_node_of_op: dict[int, int] = {}
+        self._output_node_of_module: dict[int, int] = {}
+        self._node_of_param: dict[str, int] = {}
+        self._node_of_input: dict[int, tuple[int, int]] = {}
+        self._extra_input_grads: list[tuple[int, GradRecord]] = []
+        self._grad_fn_records: list[GradFn] = []
+        self._call_records: list[GradFnCall] = []
+
+        self._build_forward_records(params, inputs)
+        output_tensors = [t for _p, t in iter_named_tensors(output)]
+        self.inference_only = not any(t.requires_grad for t in output_tensors)
+        self._inference_cause = _inference_cause(forward_grad_mode, params, inputs)
+
+        self._table = NodeTable(self._describe_node)
+        roots = [t.grad_fn for t in output_tensors if t.grad_fn is not None]
+        self._backward = BackwardRecorder(
+            table=self._table,
+            output_roots=roots,
+            owns_sequence_nr=journal.in_forward,
+            policy=grad_policy,
+            timing=timing,
+            on_nodes_added=self._on_nodes_added,
+            grad_fn_record=lambda i: self._grad_fn_records[i],
+            on_pass_closed=self._on_pass_closed,
+        )
+        if backward and not self.inference_only:
+            self._backward.arm()
+        else:
+            self._backward.hooking = False
+
+    # -- forward records ---------------------------------------------------
+    def _build_forward_records(self, params, inputs) -> None:
+        journal = self._journal
+        calls = journal.module_calls
+        sources = journal.sources
+        ops = []
+        for entry in journal.ops:
+            ops.append(
+                OpRecord(
+                    index=entry.index,
+                    label=entry.label,
+                    func=entry.name,
+                    module=calls[entry.module_call].address if entry.module_call is not None else None,
+                    parents=[journal.ops[p].label for p in entry.parents],
+                    param_parents=[sources[-s - 1].name for s in entry.sources if sources[-s - 1].kind == "param"],
+                    shape=entry.shape,
+                    dtype=entry.dtype,
+                    num_outputs=entry.num_outputs,
+                    activation=entry.activation,
+                    forward_flops=None,
+                    _source=self,
+                )
+            )
+        self._ops = ops
+        modules = []
+        for call in calls:
+            op_end = call.op_end if call.op_end is not None else len(ops)
+            modules.append(
+                ModuleCallRecord(
+                    index=call.index,
+                    address=call.address,
+                    module_address=call.module_address,
+                    module_type=self._module_types.get(call.module_address, ""),
+                    call_number=call.call_number,
+                    parent=calls[call.parent].address if call.parent is not None else None,
+                    children=[calls[c].address for c in call.children],
+                    ops=[ops[i].label for i in range(call.op_start, op_end)],
+                    output_shape=call.output_shape,
+                    _source=self,
+                )
+            )
+        self._modules = modules
+        self._param_records = [
+            ParamRecord(
+                name=name,
+                module=name.rsplit(".", 1)[0] if "." in name else "",
+                shape=tuple(p.shape),
+                dtype=p.dtype,
+                requires_grad=p.requires_grad,
+                _source=self,
+            )
+            for name, p in params.items()
+        ]
+        self._input_records = [
+            InputRecord(
+                index=i,
+                name=name,
+                shape=tuple(t.shape),
+                dtype=t.dtype,
+                requires_grad=t.requires_grad,
+                was_parameter=isinstance(t, torch.nn.Parameter),
+                _source=self,
+            )
+            for i, (name, t) in enumerate(inputs)
+        ]
+        self._first_call_of_module: dict[str, int] = {}
+        for call in calls:
+            self._first_call_of_module.setdefault(call.module_address, call.index)
+
+    # -- node pairing ----------------------------------------------------
+    def _describe_node(self, node: Any, type_name: str, seq: int | None) -> Pairing:
+        journal = self._journal
+        if type_name == "AccumulateGrad":
+            variable = _torch.accumulate_grad_variable(node)
+            source = self._source_ids.get(id(variable)) if variable is not None else None
+            if source is None:
+                return Pairing()
+            kind, name = journal.sources[source].kind, journal.sources[source].name
+            if kind == "param":
+                module_address = name.rsplit(".", 1)[0] if "." in name else ""
+                return Pairing(
+                    module_call=self._first_call_of_module.get(module_address),
+                    module_source="paired",
+                    param=name,
+                    source=source,
+                )
+            return Pairing(source=source)
+        if seq is not None and journal.in_forward(seq):
+            op = journal.op_for_sequence_nr(seq)
+            if op is not None:
+                return Pairing(op=op.index, module_call=op.module_call,
+                               module_source="paired" if op.module_call is not None else None)
+            call = journal.module_call_for_sequence_nr(seq)
+            if call is not None:
+                return Pairing(module_call=call.index, module_source="inferred")
+            return Pairing()
+        order, creator = self._backward.order_for_created(seq)
+        if creator is not None:
+            creator_entry = self._table.entries[creator]
+            module_call = creator_entry.module_call
+            return Pairing(module_call=module_call, order=order,
+                           module_source="inferred" if module_call is not None else None)
+        return Pairing(order=order)
+
+    def _on_nodes_added(self, indices: list[int]) -> None:
+        journal = self._journal
+        table = self._table
+        by_output_node: dict[Any, list[int]] = {}
+        for call in journal.module_calls:
+            if call.output_node is not None:
+                by_output_node.setdefault(call.output_node, []).append(call.index)
+        inputs_by_node: dict[Any, list[int]] = {}
+        for i, tensor in enumerate(self._input_tensors):
+            if tensor.grad_fn is not None:
+                inputs_by_node.setdefault(tensor.grad_fn, []).append(i)
+        for index in indices:
+            entry = table.entries[index]
+            node = table.nodes[index]
+            if entry.op is not None:
+                op_entry = journal.ops[entry.op]
+                if op_entry.output_node is None or op_entry.output_node is node:
+                    self._output_node_of_op.setdefault(entry.op, index)
+            for call_index in by_output_node.get(node, ()):
+                self._output_node_of_module[call_index] = index
+            if entry.param is not None:
+                self._node_of_param[entry.param] = index
+            elif entry.source is not None and entry.source in self._input_source_index:
+                self._node_of_input[self._input_source_index[entry.source]] = (index, 0)
+            for i in inputs_by_node.get(node, ()):
+                self._node_of_input[i] = (index, self._input_tensors[i].output_nr)
+            self._grad_fn_records.append(
+                GradFn(
+                    index=index,
+                    label=entry.label,
+                    type=entry.type,
+                    op=self._ops[entry.op] if entry.op is not None else None,
+                    module=journal.module_calls[entry.module_call].address
+                    if entry.module_call is not None else None,
+                    module_source=entry.module_source,
+                    order=entry.order,
+                    is_custom=entry.is_custom,
+                    param=entry.param,
+                    sequence_nr=entry.sequence_nr,
+                    _source=self,
+                )
+            )
+
+    def _on_pass_closed(self, state: PassState, error: BaseException | None) -> BaseException | None:
+        state.record._source = self
+        run = state.run
+        if error is None and run.trigger in ("torch.autograd.grad",) and run.inputs and not state.policy.saves_nothing:
+            results = state.result if isinstance(state.result, (tuple, list)) else ()
+            for given, result in zip(run.inputs, results):
+                position = self._input_position(given)
+                if position is not None and isinstance(result, torch.Tensor):
+                    self._extra_input_grads.append((position, GradRecord(result, state.record.number)))
+        return None
+
+    def _input_position(self, tensor: Any) -> int | None:
+        for i, candidate in enumerate(self._input_tensors):
+            if candidate is tensor:
+                return i
+        return None
+
+    # -- the _source protocol records read through -------------------------
+    def _grads_at(self, node_and_nr: tuple[int, int] | None) -> list[GradRecord]:
+        if node_and_nr is None:
+            return []
+        node, output_nr = node_and_nr
+        calls = self._backward.calls
+        grads = []
+        for call_index in self._backward.node_calls[node]:
+            entry = calls[call_index]
+            saved = entry.grad_outputs
+            if saved is not None and output_nr < len(saved) and saved[output_nr] is not None:
+                grads.append(GradRecord(saved[output_nr], entry.pass_number))
+        return grads
+
+    def _op_grads(self, op_index: int) -> list[GradRecord]:
+        node = self._output_node_of_op.get(op_index)
+        if node is None:
+            return []
+        return self._grads_at((node, self._journal.ops[op_index].output_nr))
+
+    def _op_grad_fn(self, op_index: int) -> GradFn | None:
+        self._discover()
+        node = self._output_node_of_op.get(op_index)
+        return self._grad_fn_records[node] if node is not None else None
+
+    def _module_output_grads(self, call_index: int) -> list[GradRecord]:
+        node = self._output_node_of_module.get(call_index)
+        if node is None:
+            return []
+        return self._grads_at((node, self._journal.module_calls[call_index].output_nr))
+
+    def _param_increments(self, name: str) -> list[GradRecord]:
+        node = self._node_of_param.get(name)
+        return self._grads_at((node, 0)) if node is not None else []
+
+    def _param_live_grad(self, name: str) -> torch.Tensor | None:
+        param = self._params[name]()
+        return param.grad if param is not None else None
+
+    def _input_grads(self, index: int) -> list[GradRecord]:
+        grads = self._grads_at(self._node_of_input.get(index))
+        grads += [g for i, g in self._extra_input_grads if i == index]
+        return sorted(grads, key=lambda g: g.pass_number)
+
+    def _node_calls(self, node_index: int) -> list[GradFnCall]:
+        records = self._calls()
+        return [records[i] for i in self._backward.node_calls[node_index]]
+
+    def _pass_calls(self, number: int) -> list[GradFnCall]:
+        records = self._calls()
+        return [records[i] for i in self._backward.passes[number - 1].call_indices]
+
+    def _calls(self) -> list[GradFnCall]:
+        journal = self._backward.calls
+        records = self._call_records
+        passes = self._backward.passes
+        for entry in journal[len(records):]:
+            grad_fn = self._grad_fn_records[entry.node]
+            pass_start = passes[entry.pass_number - 1].start_ns
+            start = entry.start_ns
+            records.append(
+                GradFnCall(
+                    label=f"{grad_fn.label}:{entry.ordinal}",
+                    grad_fn=grad_fn,
+                    index=entry.ordinal,
+                    pass_number=entry.pass_number,
+                    grad_inputs=entry.grad_inputs,
+                    grad_outputs=entry.grad_outputs,
+                    start=(start - pass_start) / 1e9 if start is not None else None,
+                    duration=(entry.end_ns - start) / 1e9 if start is not None else None,
+                )
+            )
+        return records
+
+    def _discover(self) -> None:
+        if not self._closed and not self.inference_only:
+            self._backward.discover_forward()
+
+    # -- public records ----------------------------------------------------
+    @property
+    def ops(self) -> RecordList[OpRecord]:
+        """Forward ops, by position or label (``cap.ops["linear_2"]``)."""
+        lst = RecordList(self._ops, lambda r: r.label, OpRecord.row, OP_COLUMNS)
+        lst.kind = "op"
+        return lst
+
+    @property
+    def modules(self) -> RecordList[ModuleCallRecord]:
+        """Module calls, by position or address (``"encoder.layer.0"``, ``"...:2"``)."""
+        lst = RecordList(self._modules, lambda r: r.address, ModuleCallRecord.row, MODULE_COLUMNS)
+        lst.kind = "module call"
+        return lst
+
+    @property
+    def params(self) -> RecordList[ParamRecord]:
+        lst = RecordList(self._param_records, lambda r: r.name, ParamRecord.row, PARAM_COLUMNS)
+        lst.kind = "parameter"
+        return lst
+
+    @property
+    def inputs(self) -> RecordList[InputRecord]:
+        lst = RecordList(self._input_records, lambda r: r.name, InputRecord.row, INPUT_COLUMNS)
+        lst.kind = "input"
+        return lst
+
+    @property
+    def grad_fns(self) -> RecordList[GradFn]:
+        """One record per distinct autograd node of the captured graph."""
+        self._discover()
+        lst = RecordList(self._grad_fn_records, lambda r: r.label, GradFn.row, GRAD_FN_COLUMNS)
+        lst.kind = "grad_fn"
+        return lst
+
+    @property
+    def grad_fn_calls(self) -> CallList:
+        """Every fire of every node, by position or ``"label:k"``."""
+        self._backward.close_stale()
+        return CallList(self._calls())
+
+    @property
+    def passes(self) -> PassList:
+        self._backward.close_stale()
+        records = []
+        for state in self._backward.passes:
+            state.record._source = self
+            records.append(state.record)
+        return PassList(records)
+
+    @property
+    def last_pass(self):
+        passes = self.passes
+        return passes[len(passes) - 1] if len(passes) else None
+
+    def __getitem__(self, label: str) -> Any:
+        for records, key in (
+            (self._ops, "label"),
+            (self._modules, "address"),
+        ):
+            for record in records:
+                if getattr(record, key) == label:
+                    return record
+        for record in self.grad_fns:
+            if record.label == label:
+                return record
+        found = self.grad_fn_calls.get(label)
+        if found is not None:
+            return found
+        labels = [r.label for r in self._ops] + [r.address for r in self._modules]
+        labels += [r.label for r in self._grad_fn_records]
+        raise label_not_found("record", label, labels)
+
+    def to_pandas(self):
+        """The ops table (``grad`` is None and ``num_saved_grads`` says why when ambiguous)."""
+        return self.ops.to_pandas()
+
+    # -- backward ----------------------------------------------------------
+    def backward(self, loss: torch.Tensor | None = None, *, save_grads: Any = None, **backward_kwargs: Any) -> None:
+        """Run ``torch.autograd.backward(loss)`` as one recorded pass.
+
+        ``save_grads`` widens or narrows the save policy for this pass only.
+        """
+        self._check_backward_available()
+        if loss is None:
+            loss = self._default_loss()
+        policy = GradPolicy(save_grads) if save_grads is not None else None
+        self._backward.use_policy_for_next_pass(policy)
+        engine.set_trigger_override("cap.backward")
+        try:
+            torch.autograd.backward(loss, **backward_kwargs)
+        finally:
+            engine.set_trigger_override(None)
+            self._backward.use_policy_for_next_pass(None)
+
+    def _check_backward_available(self) -> None:
+        if self._closed:
+            raise CaptureClosedError(
+                "This capture was closed; its hooks are gone, so it cannot record a backward.",
+            )
+        if not self.backward_requested:
+            raise BackwardUnavailableError(
+                "This capture was made with backward=False: it recorded the forward only "
+                "and installed no gradient hooks.",
+                code="backward_not_requested",
+                remedy="Capture again without backward=False.",
+            )
+        if self.inference_only:
+            raise BackwardUnavailableError(
+                f"This capture has no autograd graph: the forward ran {self._inference_cause}.",
+                code="inference_only",
+                remedy="Capture the forward with gradients enabled (outside torch.no_grad() / "
+                "torch.inference_mode(), with parameters or inputs that require grad).",
+            )
+
+    def _default_loss(self) -> torch.Tensor:
+        tensors = [t for _p, t in iter_named_tensors(self.output)]
+        if len(tensors) == 1 and tensors[0].numel() == 1:
+            return tensors[0]
+        raise BackwardUnavailableError(
+            "cap.backward() needs a loss: the output is not a single scalar tensor.",
+            code="loss_required",
+            remedy="Pass the loss explicitly: cap.backward(loss).",
+        )
+
+    # -- lifetime ------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def disarm(self) -> None:
+        """Stop recording later passes; keep every record."""
+        self._backward.remove_hooks()
+
+    def close(self) -> None:
+        """Remove every hook and drop every autograd node this capture holds."""
+        if self._closed:
+            return
+        self._backward.close_stale()
+        self._backward.remove_hooks()
+        self._table.clear()
+        for op in self._journal.ops:
+            op.output_node = None
+        for call in self._journal.module_calls:
+            call.output_node = None
+        self._closed = True
+
+    def __enter__(self) -> Capture:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "inference-only" if self.inference_only else "armed"
+        return (
+            f"<Capture {state}: {len(self._ops)} ops, {len(self._modules)} module calls, "
+            f"{len(self._backward.passes)} backward passes>"
+        )
+
+
+def _inference_cause(grad_mode: tuple[bool, bool], params: dict, inputs: list) -> str:
+    grad_enabled, inference_mode = grad_mode
+    if inference_mode:
+        return "under torch.inference_mode()"
+    if not grad_enabled:
+        return "under torch.no_grad() (grad mode disabled)"
+    if not any(p.requires_grad for p in params.values()) and not any(t.requires_grad for _n, t in inputs):
+        return "with no parameter or input that requires grad (a frozen model)"
+    return "without building an autograd graph to its output"

@@ -1,0 +1,63 @@
+"""Walking an autograd graph from its roots.
+
+Node wrappers are not weakref-able and their ``id()`` can be reused once the
+node is dropped, so callers that remember nodes must hold them strongly.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+Node = Any  # torch.autograd.graph.Node; C++ wrappers are not subclasses at runtime
+
+
+def root_nodes(tensors_or_edges: Iterable[Any]) -> list[Node]:
+    """The grad_fn (or AccumulateGrad) behind each root tensor or GradientEdge."""
+    roots = []
+    for item in tensors_or_edges:
+        if isinstance(item, torch.Tensor):
+            node = item.grad_fn
+            if node is None and item.requires_grad:
+                node = _accumulator(item)
+        else:
+            node = getattr(item, "node", None)
+        if node is not None:
+            roots.append(node)
+    return roots
+
+
+def _accumulator(leaf: torch.Tensor) -> Node | None:
+    # view_as gives a throwaway node whose only edge is the leaf's AccumulateGrad.
+    try:
+        return leaf.view_as(leaf).grad_fn.next_functions[0][0]
+    except (AttributeError, IndexError, RuntimeError):
+        return None
+
+
+def walk_new(
+    roots: Iterable[Node], is_known: Callable[[Node], bool]
+) -> tuple[list[Node], list[Node]]:
+    """Breadth-first walk from ``roots`` that does not enter known nodes.
+
+    Returns the unknown nodes in discovery order, and the known nodes the walk
+    reached (so the caller can tell whether the graph touches its own).
+    """
+    seen: set[Node] = set()
+    found: list[Node] = []
+    reached_known: list[Node] = []
+    queue = deque(roots)
+    while queue:
+        node = queue.popleft()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if is_known(node):
+            reached_known.append(node)
+            continue
+        found.append(node)
+        queue.extend(next_node for next_node, _ in node.next_functions)
+    return found, reached_known

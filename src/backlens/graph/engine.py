@@ -1,0 +1,246 @@
+"""Backward engine runs: which captures a run belongs to, and its pass per capture.
+
+``torch.autograd.backward``, ``Tensor.backward`` and ``torch.autograd.grad``
+all end in ``_engine_run_backward``. backlens wraps it once per process (the
+only global state that outlives a capture); with no capture armed the wrapper
+is a pass-through. A run started elsewhere is found by the engine's graph-task
+id when one of a capture's hooks first fires, and becomes an *implicit* run,
+closed when the engine drains.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from backlens import _torch
+from backlens.graph.discovery import root_nodes
+
+
+@dataclass(frozen=True)
+class CallSite:
+    """The user's line that started a pass."""
+
+    file: str
+    line: int
+    function: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line} in {self.function}"
+
+
+class Participant(Protocol):
+    """What a capture's backward recorder offers the engine router."""
+
+    def claim(self, roots: list[Any]) -> bool: ...
+    def open_pass(self, run: Run) -> Any: ...
+    def close_pass(self, backward_pass: Any, error: BaseException | None) -> None: ...
+    def owns_non_leaf(self, node: Any) -> bool: ...
+
+
+@dataclass(eq=False)
+class Run:
+    """One engine run and the pass it opened in each participating capture."""
+
+    trigger: str
+    call_site: CallSite | None
+    retain_graph: bool | None
+    create_graph: bool
+    explicit: bool
+    inputs: tuple[Any, ...] | None = None
+    task_id: int | None = None
+    passes: dict[Any, Any] = field(default_factory=dict)
+    closed: bool = False
+
+
+_participants: list[Participant] = []
+_runs_by_task: dict[int, Run] = {}
+_local = threading.local()
+_lock = threading.RLock()
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+def arm(participant: Participant) -> None:
+    """Start routing engine runs to ``participant`` (installs the wrapper once)."""
+    _torch.install_engine_wrapper(_make_wrapper)
+    with _lock:
+        if participant not in _participants:
+            _participants.append(participant)
+
+
+def disarm(participant: Participant) -> None:
+    with _lock:
+        if participant in _participants:
+            _participants.remove(participant)
+
+
+def _pending() -> list[Run]:
+    stack = getattr(_local, "pending", None)
+    if stack is None:
+        stack = _local.pending = []
+    return stack
+
+
+def set_trigger_override(name: str | None) -> None:
+    """``cap.backward`` names its own trigger for the run it starts."""
+    _local.trigger_override = name
+
+
+def _make_wrapper(original):
+    def _engine_run_backward(t_outputs, *args, **kwargs):
+        if not _participants:
+            return original(t_outputs, *args, **kwargs)
+        run = _open_explicit_run(t_outputs, args, kwargs)
+        if run is None:
+            return original(t_outputs, *args, **kwargs)
+        pending = _pending()
+        pending.append(run)
+        try:
+            result = original(t_outputs, *args, **kwargs)
+        except BaseException as exc:
+            _forget(run, pending)
+            replacement = close_run(run, exc)
+            if replacement is not None and replacement is not exc:
+                raise replacement from exc
+            raise
+        _forget(run, pending)
+        close_run(run, None, result)
+        return result
+
+    return _engine_run_backward
+
+
+def _forget(run: Run, pending: list[Run]) -> None:
+    if run in pending:
+        pending.remove(run)
+    if run.task_id is not None:
+        with _lock:
+            _runs_by_task.pop(run.task_id, None)
+
+
+def _open_explicit_run(t_outputs, args, kwargs) -> Run | None:
+    if isinstance(t_outputs, (torch.Tensor, torch.autograd.graph.GradientEdge)):
+        t_outputs = (t_outputs,)
+    roots = root_nodes(t_outputs)
+    with _lock:
+        participants = [p for p in list(_participants) if p.claim(roots)]
+    if not participants:
+        return None
+    retain_graph = _arg(args, kwargs, 1, "retain_graph", None)
+    create_graph = bool(_arg(args, kwargs, 2, "create_graph", False))
+    inputs = _arg(args, kwargs, 3, "inputs", None)
+    accumulate = _arg(args, kwargs, 5, "accumulate_grad", True)
+    override = getattr(_local, "trigger_override", None)
+    trigger = override or _trigger_name(accumulate)
+    run = Run(
+        trigger=trigger,
+        call_site=user_call_site(),
+        retain_graph=bool(retain_graph) if retain_graph is not None else create_graph,
+        create_graph=create_graph,
+        explicit=True,
+        inputs=tuple(inputs) if inputs else None,
+    )
+    for participant in participants:
+        run.passes[participant] = participant.open_pass(run)
+    return run
+
+
+def _arg(args, kwargs, position: int, name: str, default):
+    if name in kwargs:
+        return kwargs[name]
+    return args[position] if len(args) > position else default
+
+
+def _trigger_name(accumulate_grad: bool) -> str:
+    if not accumulate_grad:
+        return "torch.autograd.grad"
+    frame = sys._getframe(3)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "backward" and code.co_filename.endswith(os.path.join("torch", "_tensor.py")):
+            return "Tensor.backward"
+        if not code.co_filename.startswith((_TORCH_DIR, _PACKAGE_DIR)):
+            break
+        frame = frame.f_back
+    return "torch.autograd.backward"
+
+
+def user_call_site() -> CallSite | None:
+    """The innermost frame outside torch and backlens."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith((_TORCH_DIR, _PACKAGE_DIR)) and not filename.startswith("<frozen"):
+            return CallSite(filename, frame.f_lineno, frame.f_code.co_name)
+        frame = frame.f_back
+    return None
+
+
+def close_run(run: Run, error: BaseException | None, result: Any = None) -> BaseException | None:
+    """Close every pass of ``run``; returns the error to raise (maybe translated)."""
+    if run.closed:
+        return error
+    run.closed = True
+    raised = error
+    for participant, backward_pass in list(run.passes.items()):
+        backward_pass.result = result
+        translated = participant.close_pass(backward_pass, error)
+        if translated is not None and raised is error:
+            raised = translated
+    return raised
+
+
+def pass_for(participant: Participant, task_id: int, node: Any) -> Any:
+    """The pass ``participant`` should record a fire of ``node`` into, or None.
+
+    Binds a pending explicit run to the engine's task id on its first fire;
+    opens an implicit run for a task no wrapper saw.
+    """
+    with _lock:
+        run = _runs_by_task.get(task_id)
+        if run is None:
+            for pending in reversed(_pending()):
+                if pending.task_id is None:
+                    pending.task_id = task_id
+                    _runs_by_task[task_id] = pending
+                    run = pending
+                    break
+        if run is None:
+            if not participant.owns_non_leaf(node):
+                return None  # a shared parameter's node in a run that is not ours
+            run = Run(
+                trigger="implicit",
+                call_site=None,
+                retain_graph=_torch.current_keep_graph(),
+                create_graph=torch.is_grad_enabled(),
+                explicit=False,
+                task_id=task_id,
+            )
+            _runs_by_task[task_id] = run
+            _torch.queue_engine_callback(lambda: _close_implicit(run))
+        found = run.passes.get(participant)
+        if found is None and not run.explicit and participant.owns_non_leaf(node):
+            found = run.passes[participant] = participant.open_pass(run)
+        return found
+
+
+def _close_implicit(run: Run) -> None:
+    with _lock:
+        if run.task_id is not None:
+            _runs_by_task.pop(run.task_id, None)
+    close_run(run, None)
+
+
+def close_stale_implicit_runs(current_task: int) -> None:
+    """Backstop for engines without queue_callback: close runs no longer running."""
+    with _lock:
+        stale = [r for t, r in _runs_by_task.items() if not r.explicit and t != current_task]
+    for run in stale:
+        _close_implicit(run)

@@ -1,0 +1,63 @@
+"""Label grammar for forward ops, autograd nodes and node calls (API.md §1).
+
+* op: ``{name}_{k}``, the k-th call of that torch function in the forward.
+* node: ``{type}_back_{k}_{n}``, ``type`` the node class without its
+  ``Backward<digits>`` suffix, lowercased; ``k`` counts nodes of that type,
+  ``n`` counts all nodes.
+* call: ``{node label}:{c}``, the c-th fire of that node.
+"""
+
+from __future__ import annotations
+
+import re
+
+_BACKWARD_SUFFIX = re.compile(r"Backward\d*$")
+
+# Reflected and in-place dunders name the same torch function as their base.
+_DUNDER_ALIASES = {
+    "radd": "add",
+    "rmul": "mul",
+    "truediv": "div",
+    "rtruediv": "rdiv",
+    "floordiv": "floor_divide",
+    "rfloordiv": "rfloor_divide",
+    "rmatmul": "matmul",
+    "rpow": "rpow",
+    "rsub": "rsub",
+    "rand": "and",
+    "ror": "or",
+    "rxor": "xor",
+}
+
+
+def op_name(func: object) -> str:
+    """The short torch name of a function seen by a TorchFunctionMode."""
+    name = getattr(func, "__name__", None) or type(func).__name__
+    if name in ("__get__", "__set__"):
+        # Property access: the property's own name says what it is (``T``, ``mT``).
+        owner = getattr(func, "__self__", None)
+        prop = getattr(owner, "__name__", None)
+        if prop:
+            name = prop if name == "__get__" else f"set_{prop}"
+    if name.startswith("__") and name.endswith("__"):
+        name = name.strip("_")
+        name = _DUNDER_ALIASES.get(name, name)
+    return name or "op"
+
+
+def node_type_stem(type_name: str) -> str:
+    """``AddmmBackward0`` -> ``addmm``; ``AccumulateGrad`` -> ``accumulategrad``."""
+    stem = _BACKWARD_SUFFIX.sub("", type_name)
+    return (stem or type_name).lower()
+
+
+def node_label(type_name: str, k: int, n: int) -> str:
+    return f"{node_type_stem(type_name)}_back_{k}_{n}"
+
+
+def call_label(node_label_: str, c: int) -> str:
+    return f"{node_label_}:{c}"
+
+
+NODE_LABEL_PATTERN = re.compile(r"^[a-z0-9_]+_back_\d+_\d+$")
+CALL_LABEL_PATTERN = re.compile(r"^[a-z0-9_]+_back_\d+_\d+:\d+$")

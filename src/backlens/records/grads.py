@@ -1,0 +1,64 @@
+"""Saved gradients and the one rule for reading a single one."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from backlens.errors import AmbiguousGradError
+
+
+@dataclass(frozen=True)
+class GradRecord:
+    """One saved gradient: the tensor and the backward pass that produced it."""
+
+    tensor: torch.Tensor
+    pass_number: int
+
+    def __repr__(self) -> str:
+        shape = tuple(self.tensor.shape) if isinstance(self.tensor, torch.Tensor) else "?"
+        return f"GradRecord(pass_number={self.pass_number}, shape={shape})"
+
+
+def single_grad(grads: Sequence[GradRecord], what: str) -> torch.Tensor:
+    """The tensor when exactly one gradient was saved; else AmbiguousGradError."""
+    if len(grads) == 1:
+        return grads[0].tensor
+    if not grads:
+        raise AmbiguousGradError(
+            f"{what} has no saved gradient: no backward pass saved one "
+            "(no pass ran yet, or save_grads did not select it).",
+            code="no_saved_grad",
+            remedy="Run a backward with save_grads=True (or a selector that matches it), "
+            "then read .grad.",
+        )
+    passes = ", ".join(str(g.pass_number) for g in grads)
+    raise AmbiguousGradError(
+        f"{what} has {len(grads)} saved gradients (from passes {passes}); .grad needs exactly one.",
+        remedy=f"Pick one: .grads[i] (0..{len(grads) - 1}) or .grad_for(pass_=k) with k in {{{passes}}}.",
+    )
+
+
+def grad_for_pass(grads: Sequence[GradRecord], pass_: int, what: str) -> torch.Tensor:
+    """The gradient saved in pass ``pass_`` (1-based)."""
+    chosen = [g for g in grads if g.pass_number == pass_]
+    if len(chosen) == 1:
+        return chosen[0].tensor
+    saved_in = sorted({g.pass_number for g in grads})
+    raise AmbiguousGradError(
+        f"{what} has {len(chosen)} saved gradients in pass {pass_} "
+        f"(passes with one: {saved_in or 'none'}).",
+        code="no_saved_grad" if not chosen else "ambiguous_grad",
+        remedy="Choose a pass that saved it, from the list in the message.",
+    )
+
+
+def describe_grads(grads: Sequence[GradRecord]) -> dict[str, Any]:
+    """``grad`` and ``num_saved_grads`` columns for tables; never raises."""
+    return {
+        "grad": grads[0].tensor if len(grads) == 1 else None,
+        "num_saved_grads": len(grads),
+    }
