@@ -1,0 +1,352 @@
+"""Backward capture: passes, nodes, calls, gradients, and unchanged autograd results."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from models import MLP, build, first_tensor, loss_of
+from torch.overrides import TorchFunctionMode
+
+import backlens as bl
+
+ALL_MODELS = ["mlp", "cnn", "gpt2", "gpt2_cache", "bert", "llama", "t5"]
+
+
+def param_grads(model):
+    return {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("save_grads", [False, True])
+@pytest.mark.parametrize("name", ALL_MODELS)
+def test_parameter_gradients_with_capture_equal_stock_bitwise(name, save_grads):
+    model, args, kwargs = build(name)
+    twin = copy.deepcopy(model)
+    loss_of(model(*args, **kwargs)).backward()
+    cap = bl.capture(twin, *args, save_grads=save_grads, **kwargs)
+    loss_of(cap.output).backward()
+    stock, captured = param_grads(model), param_grads(twin)
+    assert stock.keys() == captured.keys()
+    for key in stock:
+        if stock[key] is None:
+            assert captured[key] is None, key
+        else:
+            assert torch.equal(stock[key], captured[key]), key
+    assert len(cap.passes) == 1 and cap.passes[0].status == "ok"
+    assert len(cap.grad_fn_calls) > 0
+
+
+class HookEveryOpOutput(TorchFunctionMode):
+    """Reference: a plain tensor hook on every op output that requires grad."""
+
+    def __init__(self):
+        super().__init__()
+        self.grads = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        primary = out[0] if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor) else out
+        if isinstance(primary, torch.Tensor) and primary.grad_fn is not None and not (args and primary is args[0]):
+            slot = len(self.grads)
+            self.grads.append(None)
+            primary.register_hook(lambda g, slot=slot: self.grads.__setitem__(slot, g))
+        return out
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "gpt2"])
+def test_op_output_gradients_equal_tensor_hook_references(name):
+    model, args, kwargs = build(name)
+    with HookEveryOpOutput() as reference:
+        output = model(*args, **kwargs)
+    loss_of(output).backward()
+    model.zero_grad()
+
+    cap = bl.capture(model, *args, save_grads=True, **kwargs)
+    loss_of(cap.output).backward()
+    with_node = [op for op in cap.ops if op.grad_fn is not None]
+    assert len(with_node) == len(reference.grads)
+    compared = 0
+    for op, expected in zip(with_node, reference.grads):
+        if expected is None:
+            assert op.grads == [], op.label
+            continue
+        assert torch.equal(op.grad, expected), op.label
+        compared += 1
+    assert compared > len(reference.grads) // 2
+
+
+def test_module_output_gradients_equal_tensor_hook_references():
+    model, args, kwargs = build("gpt2")
+    reference = {}
+
+    def keep(address):
+        def hook(module, inputs, output):
+            first_tensor(output).register_hook(lambda g: reference.__setitem__(address, g))
+        return hook
+
+    handles = [m.register_forward_hook(keep(a)) for a, m in model.named_modules() if a]
+    loss_of(model(*args, **kwargs)).backward()
+    for h in handles:
+        h.remove()
+    cap = bl.capture(model, *args, save_grads=True, **kwargs)
+    loss_of(cap.output).backward()
+    for address, expected in reference.items():
+        assert torch.equal(cap.modules[address].output_grad, expected), address
+
+
+def test_each_trigger_opens_exactly_one_named_pass():
+    model = MLP()
+    x = torch.randn(2, 6, requires_grad=True)
+    cap = bl.capture(model, x)
+    loss = loss_of(cap.output)
+    loss.backward(retain_graph=True)
+    torch.autograd.backward(loss, retain_graph=True)
+    torch.autograd.grad(loss, [x], retain_graph=True)
+    cap.backward(loss)
+    triggers = [p.trigger for p in cap.passes]
+    assert triggers == ["Tensor.backward", "torch.autograd.backward", "torch.autograd.grad", "cap.backward"]
+    assert [p.number for p in cap.passes] == [1, 2, 3, 4]
+    assert [p.retain_graph for p in cap.passes] == [True, True, True, False]
+    site = cap.passes[0].call_site
+    assert site.file == __file__ and site.function == "test_each_trigger_opens_exactly_one_named_pass"
+
+
+def test_an_engine_run_that_bypasses_the_entry_points_is_an_implicit_pass():
+    model = MLP()
+    cap = bl.capture(model, torch.randn(2, 6))
+    loss = loss_of(cap.output)
+    engine = torch.autograd.Variable._execution_engine
+    engine.run_backward((loss,), (torch.ones(()),), False, False, (), True, True)
+    assert len(cap.passes) == 1
+    implicit = cap.passes[0]
+    assert implicit.trigger == "implicit" and implicit.call_site is None
+    assert implicit.status == "ok"
+    assert model.net[0].weight.grad is not None
+    assert {c.grad_fn.type for c in implicit.calls} >= {"AddmmBackward0", "AccumulateGrad"}
+
+
+def test_three_passes_give_dense_call_labels_and_a_loud_op_grad():
+    cap = bl.capture(MLP(), torch.randn(2, 6), save_grads=True)
+    loss = loss_of(cap.output)
+    for _ in range(3):
+        loss.backward(retain_graph=True)
+    node = cap.ops["linear_2"].grad_fn
+    assert [c.label for c in node.calls] == [f"{node.label}:{k}" for k in (1, 2, 3)]
+    assert [c.pass_number for c in node.calls] == [1, 2, 3]
+    assert node.calls.for_pass(2)[0].index == 2
+    with pytest.raises(bl.AmbiguousGradError, match="3 saved gradients"):
+        cap.ops["linear_2"].grad
+    assert torch.equal(cap.ops["linear_2"].grad_for(pass_=2), cap.ops["linear_2"].grads[1].tensor)
+    table = cap.to_pandas()
+    row = table[table.label == "linear_2"].iloc[0]
+    assert row["grad"] is None and row["num_saved_grads"] == 3
+
+
+def test_node_labels_follow_the_grammar_and_pair_with_ops_and_modules():
+    cap = bl.capture(MLP(), torch.randn(2, 6))
+    loss_of(cap.output).backward()
+    addmm = cap.ops["linear_1"].grad_fn
+    assert addmm.type == "AddmmBackward0"
+    assert addmm.label.startswith("addmm_back_1_")
+    assert addmm.op is cap.ops["linear_1"] and addmm.module == "net.0" and addmm.module_source == "paired"
+    acc = [g for g in cap.grad_fns if g.param == "net.0.weight"][0]
+    assert acc.type == "AccumulateGrad" and acc.module == "net.0"
+    loss_nodes = [g for g in cap.grad_fns if g.op is None and g.type != "AccumulateGrad"]
+    assert loss_nodes and all(g.module is None for g in loss_nodes)
+    numbers = sorted(int(g.label.rsplit("_", 1)[1]) for g in cap.grad_fns)
+    assert numbers == list(range(1, len(cap.grad_fns) + 1))
+
+
+def test_grad_fn_records_count_distinct_nodes_once():
+    cap = bl.capture(MLP(), torch.randn(2, 6))
+    loss = loss_of(cap.output)
+    loss.backward(retain_graph=True)
+    count = len(cap.grad_fns)
+    loss.backward()
+    assert len(cap.grad_fns) == count
+    assert all(len(g.calls) == 2 for g in cap.grad_fns)
+
+
+def test_stimulus_gradients_are_kept_for_leaf_and_parameter_inputs():
+    x = torch.randn(2, 6, requires_grad=True)
+    cap = bl.capture(MLP(), x, save_grads=True)
+    loss_of(cap.output).backward()
+    assert torch.equal(cap.inputs[0].grad, x.grad)
+
+    stimulus = nn.Parameter(torch.randn(2, 6))
+    cap = bl.capture(MLP(), stimulus, save_grads=True)
+    loss_of(cap.output).backward()
+    assert cap.inputs[0].was_parameter
+    assert torch.equal(cap.inputs[0].grad, stimulus.grad)
+
+
+def test_grad_trigger_keeps_the_stimulus_gradient_it_returns():
+    x = torch.randn(2, 6, requires_grad=True)
+    cap = bl.capture(MLP(), x, save_grads=True)
+    (gx,) = torch.autograd.grad(loss_of(cap.output), [x])
+    assert x.grad is None
+    assert torch.equal(cap.inputs[0].grad, gx)
+
+
+def test_params_record_increments_per_pass_and_the_live_grad():
+    model = MLP()
+    cap = bl.capture(model, torch.randn(2, 6), save_grads=True)
+    loss = loss_of(cap.output)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    weight = cap.params["net.0.weight"]
+    assert len(weight.increments) == 2
+    assert torch.equal(weight.increments[0].tensor + weight.increments[1].tensor, model.net[0].weight.grad)
+    assert weight.grad is model.net[0].weight.grad
+
+
+def test_save_grads_false_records_structure_and_timing_but_no_tensors():
+    cap = bl.capture(MLP(), torch.randn(2, 6))
+    loss_of(cap.output).backward()
+    calls = cap.grad_fn_calls
+    assert len(calls) == len(cap.grad_fns)
+    assert all(c.grad_outputs is None and c.grad_inputs is None for c in calls)
+    assert all(c.duration is not None and c.duration >= 0 for c in calls)
+    assert cap.ops["relu_1"].grads == []
+
+
+def test_timing_false_leaves_durations_unknown():
+    cap = bl.capture(MLP(), torch.randn(2, 6), timing=False)
+    loss_of(cap.output).backward()
+    assert all(c.duration is None for c in cap.grad_fn_calls)
+
+
+def test_cap_backward_can_widen_the_save_policy_for_one_pass():
+    cap = bl.capture(MLP(), torch.randn(2, 6))
+    loss = loss_of(cap.output)
+    cap.backward(loss, save_grads=True, retain_graph=True)
+    loss.backward()
+    assert [g.pass_number for g in cap.ops["relu_1"].grads] == [1]
+    assert repr(cap.passes[0].save_grads_policy) == "save_grads=True"
+    assert repr(cap.passes[1].save_grads_policy) == "save_grads=False"
+
+
+def test_create_graph_discovers_higher_order_nodes_with_their_order():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    x = torch.randn(5, 3, requires_grad=True)
+    cap = bl.capture(model, x)
+    (gx,) = torch.autograd.grad(cap.output.sum(), [x], create_graph=True)
+    first = cap.passes[0]
+    assert first.create_graph and first.orders == [1]
+    assert first.order_coverage == 1.0
+    second_order = [g for g in cap.grad_fns if g.order == 2]
+    assert second_order, "nodes built by the create_graph pass are recorded"
+    assert all(g.module is not None for g in second_order if g.type != "AccumulateGrad")
+    gx.pow(2).sum().backward()
+    assert 2 in cap.passes[1].orders
+    expected_x = x.grad.clone()
+    x.grad = None
+    (gx2,) = torch.autograd.grad(model(x).sum(), [x], create_graph=True)
+    gx2.pow(2).sum().backward()
+    assert torch.equal(x.grad, expected_x)
+
+
+class ExplodingBackward(torch.autograd.Function):
+    armed = True
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ExplodingBackward.armed:
+            raise RuntimeError("custom backward exploded")
+        return grad * 2
+
+
+class WithCustom(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return ExplodingBackward.apply(self.lin(x))
+
+
+def test_a_pass_that_raises_is_closed_as_failed_and_the_next_pass_works():
+    model = WithCustom()
+    cap = bl.capture(model, torch.randn(2, 3))
+    loss = cap.output.sum()
+    ExplodingBackward.armed = True
+    with pytest.raises(RuntimeError, match="custom backward exploded"):
+        loss.backward(retain_graph=True)
+    failed = cap.passes[0]
+    assert failed.status == "failed" and "exploded" in str(failed.error)
+    custom = [g for g in cap.grad_fns if g.is_custom]
+    assert len(custom) == 1 and custom[0].module == ""
+    ExplodingBackward.armed = False
+    loss.backward()
+    assert cap.passes[1].status == "ok"
+    assert model.lin.weight.grad is not None
+
+
+def test_after_close_nothing_is_recorded_and_gradients_are_stock():
+    model = MLP()
+    twin = copy.deepcopy(model)
+    x = torch.randn(2, 6)
+    cap = bl.capture(model, x)
+    loss = loss_of(cap.output)
+    cap.close()
+    loss.backward()
+    loss_of(twin(x)).backward()
+    assert len(cap.passes) == 0
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_disarm_keeps_records_and_stops_recording():
+    cap = bl.capture(MLP(), torch.randn(2, 6), save_grads=True)
+    loss = loss_of(cap.output)
+    loss.backward(retain_graph=True)
+    cap.disarm()
+    loss.backward()
+    assert len(cap.passes) == 1
+    assert cap.ops["relu_1"].grad is not None
+
+
+def test_two_live_captures_of_different_models_record_only_their_own_passes():
+    a = bl.capture(MLP(), torch.randn(2, 6))
+    b = bl.capture(nn.Sequential(nn.Linear(6, 2)), torch.randn(2, 6))
+    loss_of(a.output).backward()
+    assert (len(a.passes), len(b.passes)) == (1, 0)
+    loss_of(b.output).backward()
+    assert (len(a.passes), len(b.passes)) == (1, 1)
+    assert {c.grad_fn.type for c in b.passes[0].calls} == {"AddmmBackward0", "TBackward0", "AccumulateGrad", "SumBackward0", "MulBackward0"}
+
+
+def test_two_captures_of_one_model_do_not_share_passes_through_parameter_nodes():
+    model = MLP()
+    a = bl.capture(model, torch.randn(2, 6))
+    b = bl.capture(model, torch.randn(3, 6))
+    loss_of(a.output).backward()
+    assert (len(a.passes), len(b.passes)) == (1, 0)
+    loss_of(b.output).backward()
+    assert (len(a.passes), len(b.passes)) == (1, 1)
+    assert all(c.pass_number == 1 for c in b.grad_fn_calls)
+
+
+def test_a_backward_over_an_unrelated_graph_is_not_recorded():
+    cap = bl.capture(MLP(), torch.randn(2, 6))
+    w = torch.randn(3, requires_grad=True)
+    (w * 2).sum().backward()
+    assert len(cap.passes) == 0
+
+
+def test_tables_for_passes_grad_fns_and_calls():
+    cap = bl.capture(MLP(), torch.randn(2, 6))
+    loss_of(cap.output).backward()
+    passes = cap.passes.to_pandas()
+    assert list(passes["trigger"]) == ["Tensor.backward"]
+    grad_fns = cap.grad_fns.to_pandas()
+    assert len(grad_fns) == len(cap.grad_fns) and "module_source" in grad_fns
+    calls = cap.grad_fn_calls.to_pandas()
+    assert set(calls["pass_number"]) == {1} and calls["duration"].notna().all()
+    assert cap.grad_fn_calls[calls["label"][0]].label == calls["label"][0]

@@ -1,0 +1,268 @@
+"""Forward capture: ops, modules, params, inputs, labels, and an unchanged graph."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn as nn
+from models import MLP, SmallCNN, build, loss_of
+
+import backlens as bl
+
+
+def node_types_reachable(output) -> Counter:
+    from models import first_tensor
+
+    seen, stack, types = set(), [first_tensor(output).grad_fn], Counter()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        types[type(node).__name__] += 1
+        stack.extend(n for n, _ in node.next_functions)
+    return types
+
+
+def test_mlp_ops_are_labelled_by_function_and_call_count():
+    cap = bl.capture(MLP(), torch.randn(2, 6))
+    assert cap.ops.labels() == ["linear_1", "relu_1", "linear_2", "relu_2", "linear_3"]
+    assert cap["linear_2"] is cap.ops["linear_2"] is cap.ops[2]
+
+
+def test_ops_record_function_module_parents_shape_and_dtype():
+    cap = bl.capture(MLP(), torch.randn(2, 6))
+    op = cap.ops["linear_2"]
+    assert op.func == "linear"
+    assert op.module == "net.2"
+    assert op.parents == ["relu_1"]
+    assert op.param_parents == ["net.2.weight", "net.2.bias"]
+    assert op.shape == (2, 16)
+    assert op.dtype == torch.float32
+    assert op.activation is None
+
+
+def test_saved_activations_equal_the_real_intermediate():
+    model = MLP()
+    x = torch.randn(2, 6)
+    cap = bl.capture(model, x, save_activations=True)
+    expected = model.net[1](model.net[0](x))
+    assert torch.equal(cap.ops["relu_1"].activation, expected)
+
+
+def test_module_calls_nest_and_repeat_with_a_call_suffix():
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.block(torch.tanh(self.block(x)))
+
+    cap = bl.capture(Twice(), torch.randn(1, 4))
+    assert [m.address for m in cap.modules] == ["", "block", "block:2"]
+    assert cap.modules["block:2"].call_number == 2
+    assert cap.modules[""].children == ["block", "block:2"]
+    assert cap.modules["block:2"].ops == ["linear_2"]
+    assert cap.ops["tanh_1"].module == ""
+
+
+def test_cnn_records_conv_batchnorm_and_head():
+    cap = bl.capture(SmallCNN().eval(), torch.randn(2, 3, 8, 8))
+    funcs = [op.func for op in cap.ops]
+    assert funcs[:3] == ["conv2d", "batch_norm", "relu"]
+    assert cap.ops["conv2d_2"].module == "conv2"
+    assert cap.modules["head"].output_shape == (2, 5)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_transformer_modules_and_ops_are_recorded(name):
+    model, args, kwargs = build(name)
+    cap = bl.capture(model, *args, **kwargs)
+    addresses = {m.address for m in cap.modules}
+    layer = "transformer.h.1" if name == "gpt2" else "encoder.layer.1"
+    assert layer in addresses
+    assert any(op.module and op.module.startswith(layer) for op in cap.ops)
+    assert len(cap.ops) > 20
+
+
+def test_labels_are_deterministic_across_two_captures():
+    model, args, kwargs = build("gpt2")
+    first = bl.capture(model, *args, **kwargs)
+    second = bl.capture(model, *args, **kwargs)
+    assert first.ops.labels() == second.ops.labels()
+    loss_of(first.output).backward()
+    loss_of(second.output).backward()
+    assert first.grad_fns.labels() == second.grad_fns.labels()
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "gpt2", "bert"])
+def test_autograd_node_types_are_identical_with_and_without_capture(name):
+    model, args, kwargs = build(name)
+    stock = node_types_reachable(model(*args, **kwargs))
+    cap = bl.capture(model, *args, **kwargs)
+    assert node_types_reachable(cap.output) == stock
+    assert "BackwardHookFunctionBackward" not in stock
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "gpt2", "bert"])
+def test_parameter_gradients_equal_a_stock_run_bitwise(name):
+    model, args, kwargs = build(name)
+    twin = copy.deepcopy(model)
+    loss_of(model(*args, **kwargs)).backward()
+    cap = bl.capture(twin, *args, **kwargs)
+    loss_of(cap.output).backward()
+    for (pname, p), (_, q) in zip(model.named_parameters(), twin.named_parameters()):
+        assert (p.grad is None) == (q.grad is None), pname
+        if p.grad is not None:
+            assert torch.equal(p.grad, q.grad), pname
+
+
+def test_inputs_are_not_copied_and_nested_inputs_are_found():
+    class DictModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, batch):
+            return self.lin(batch["x"]) + batch["pair"][1]
+
+    x = torch.randn(2, 3, requires_grad=True)
+    y = torch.randn(2, 3)
+    cap = bl.capture(DictModel(), {"x": x, "pair": (None, y)}, save_grads=True)
+    assert [i.name for i in cap.inputs] == ["args[0]['x']", "args[0]['pair'][1]"]
+    assert cap.inputs[0].requires_grad and not cap.inputs[1].requires_grad
+    cap.output.sum().backward()
+    assert x.grad is not None
+    assert torch.equal(cap.inputs[0].grad, x.grad)
+    assert cap.ops["add_1"].parents == ["linear_1"]
+
+
+def test_parameter_inputs_are_flagged():
+    stimulus = nn.Parameter(torch.randn(2, 6))
+    cap = bl.capture(MLP(), stimulus)
+    assert cap.inputs[0].was_parameter
+
+
+def test_a_non_module_model_is_refused_by_name():
+    with pytest.raises(bl.BacklensError) as info:
+        bl.capture(lambda x: x * 2, torch.randn(2))
+    assert isinstance(info.value, ValueError)
+    assert info.value.code == "not_a_module"
+    assert "function" in str(info.value)
+
+
+def _hook_counts(model):
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def test_a_forward_that_raises_propagates_unchanged_and_leaves_nothing_behind():
+    class Broken(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x):
+            self.lin(x)
+            raise ValueError("boom in forward")
+
+    model = Broken()
+    with pytest.raises(ValueError, match="boom in forward"):
+        bl.capture(model, torch.randn(1, 2))
+    assert _hook_counts(model) == 0
+    assert not torch.overrides._is_torch_function_mode_enabled()
+
+
+def test_close_removes_every_hook_and_mode():
+    model = MLP()
+    with bl.capture(model, torch.randn(2, 6)) as cap:
+        loss_of(cap.output).backward(retain_graph=True)
+        node = cap.grad_fns[0]
+        assert node.calls
+    assert cap.closed
+    assert _hook_counts(model) == 0
+    assert not torch.overrides._is_torch_function_mode_enabled()
+    loss_of(cap.output).backward()
+    assert len(cap.passes) == 1
+
+
+def test_two_open_captures_work_independently():
+    a = bl.capture(MLP(), torch.randn(2, 6))
+    b = bl.capture(MLP(), torch.randn(3, 6))
+    loss_of(b.output).backward()
+    assert len(a.passes) == 0 and len(b.passes) == 1
+    loss_of(a.output).backward()
+    assert len(a.passes) == 1 and len(b.passes) == 1
+    assert a.ops.labels() == b.ops.labels()
+
+
+def test_unknown_label_raises_key_error_listing_close_labels():
+    cap = bl.capture(MLP(), torch.randn(2, 6))
+    with pytest.raises(KeyError) as info:
+        cap["linear_9"]
+    assert "linear_1" in str(info.value)
+    assert info.value.code == "label_not_found"
+
+
+def test_inference_only_capture_says_why_backward_is_unavailable():
+    with torch.no_grad():
+        cap = bl.capture(MLP(), torch.randn(2, 6))
+    assert cap.inference_only
+    with pytest.raises(bl.BackwardUnavailableError) as info:
+        cap.backward(cap.output.sum())
+    assert "no_grad" in str(info.value)
+
+
+def test_inference_mode_is_named_as_the_cause():
+    with torch.inference_mode():
+        cap = bl.capture(MLP(), torch.randn(2, 6))
+    with pytest.raises(bl.BackwardUnavailableError, match="inference_mode"):
+        cap.backward(cap.output.sum())
+
+
+def test_a_frozen_model_is_inference_only():
+    model = MLP().requires_grad_(False)
+    cap = bl.capture(model, torch.randn(2, 6))
+    with pytest.raises(bl.BackwardUnavailableError, match="frozen"):
+        cap.backward(cap.output.sum())
+
+
+def test_grad_reenabled_inside_the_forward_keeps_its_graph():
+    class Reenables(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x):
+            with torch.enable_grad():
+                return self.lin(x)
+
+    with torch.no_grad():
+        cap = bl.capture(Reenables(), torch.randn(1, 2))
+    assert not cap.inference_only
+    cap.backward(cap.output.sum())
+    assert len(cap.passes) == 1
+
+
+def test_backward_false_records_the_forward_only():
+    model = MLP()
+    cap = bl.capture(model, torch.randn(2, 6), backward=False)
+    assert len(cap.ops) == 5
+    with pytest.raises(bl.BackwardUnavailableError) as info:
+        cap.backward(cap.output.sum())
+    assert info.value.code == "backward_not_requested"
+    loss_of(cap.output).backward()
+    assert len(cap.passes) == 0
+    assert model.net[0].weight.grad is not None
+
+
+def test_ops_table_has_one_row_per_op():
+    cap = bl.capture(MLP(), torch.randn(2, 6))
+    table = cap.ops.to_pandas()
+    assert list(table["label"]) == cap.ops.labels()
+    assert {"func", "module", "shape", "grad", "num_saved_grads"} <= set(table.columns)
+    assert len(cap.modules.to_pandas()) == len(cap.modules)
+    assert list(cap.params.to_pandas()["name"]) == [n for n, _ in MLP().named_parameters()]
