@@ -93,6 +93,11 @@ CAPABILITIES: tuple[Capability, ...] = (
 )
 
 
+def sequence_nr_function() -> Callable[[], int]:
+    """The raw sequence-number reader, for hot paths (returns 0 when unavailable)."""
+    return _get_sequence_nr if _get_sequence_nr is not None else (lambda: 0)
+
+
 def sequence_nr() -> int | None:
     """The calling thread's next autograd sequence number (None if unknown)."""
     return _get_sequence_nr() if _get_sequence_nr is not None else None
@@ -167,6 +172,3 @@ def is_custom_function_node(node: Any) -> bool:
     """True for nodes of user ``torch.autograd.Function`` subclasses."""
     return isinstance(node, torch.autograd.function.BackwardCFunction)
 
-
-def saved_tensor_version_mismatch_text() -> str:
-    return "modified by an inplace operation"

@@ -19,6 +19,7 @@ import torch
 
 from backlens import _torch
 from backlens.capture.policy import GRAD_INPUT, GRAD_OUTPUT, GradPolicy
+from backlens.capture.store import TensorStore
 from backlens.graph import engine
 from backlens.graph.discovery import walk_new
 from backlens.graph.table import NodeTable
@@ -70,6 +71,7 @@ class BackwardRecorder:
         owns_sequence_nr: Callable[[int], bool],
         policy: GradPolicy,
         timing: bool,
+        store: TensorStore,
         on_nodes_added: Callable[[list[int]], None],
         grad_fn_record: Callable[[int], Any],
         on_pass_closed: Callable[[PassState, BaseException | None], BaseException | None],
@@ -77,6 +79,11 @@ class BackwardRecorder:
         self.table = table
         self.policy = policy
         self.timing = timing
+        self.store = store
+        # Objects with on_pass_open(state) / on_pass_close(state, error) and
+        # optionally run_context(run) -> context manager entered around an
+        # explicit engine run (e.g. a dispatch mode counting FLOPs).
+        self.observers: list[Any] = []
         self.passes: list[PassState] = []
         self.calls: list[CallEntry] = []
         self.node_calls: list[list[int]] = []
@@ -206,7 +213,19 @@ class BackwardRecorder:
             seq_start=_sequence_nr(),
         )
         self.passes.append(state)
+        for observer in self.observers:
+            observer.on_pass_open(state)
         return state
+
+    def run_contexts(self, run: engine.Run) -> list[Any]:
+        """Context managers to hold open around an explicit engine run."""
+        contexts = []
+        for observer in self.observers:
+            make = getattr(observer, "run_context", None)
+            context = make(run) if make is not None else None
+            if context is not None:
+                contexts.append(context)
+        return contexts
 
     def close_pass(self, state: PassState, error: BaseException | None) -> BaseException | None:
         if self._pass is state:
@@ -224,6 +243,8 @@ class BackwardRecorder:
         record.orders = sorted(
             {order for i in state.call_indices if (order := self.table.entries[self.calls[i].node].order) is not None}
         )
+        for observer in self.observers:
+            observer.on_pass_close(state, error)
         return self._on_pass_closed(state, error)
 
     def _discover_created(self, state: PassState) -> None:
@@ -311,8 +332,8 @@ class BackwardRecorder:
             ordinal=len(ordinals) + 1,
             start_ns=start if self.timing else None,
             end_ns=end,
-            grad_inputs=tuple(grad_inputs) if sides & GRAD_INPUT else None,
-            grad_outputs=tuple(grad_outputs) if sides & GRAD_OUTPUT else None,
+            grad_inputs=self.store.keep(tuple(grad_inputs), "grad_inputs") if sides & GRAD_INPUT else None,
+            grad_outputs=self.store.keep(tuple(grad_outputs), "grad_outputs") if sides & GRAD_OUTPUT else None,
         )
         if state.run.create_graph:
             entry.seq_start = seq_start

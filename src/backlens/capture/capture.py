@@ -16,6 +16,7 @@ from backlens.capture.forward import (
     iter_named_tensors,
 )
 from backlens.capture.policy import GradPolicy
+from backlens.capture.store import MemoryStore
 from backlens.errors import (
     BacklensError,
     BackwardUnavailableError,
@@ -99,6 +100,7 @@ def capture(
     finally:
         recorder.detach()
     journal.seq_end = _torch.sequence_nr()
+    recorder.finish()
     return Capture(
         model=model,
         output=output,
@@ -151,9 +153,9 @@ class Capture:
         self.backward_requested = backward
         self.flops_enabled = flops
         self._journal = journal
+        self._store = MemoryStore()
         self._closed = False
         self._params = {name: weakref.ref(p) for name, p in params.items()}
-        self._module_types = {address: type(m).__name__ for address, m in model.named_modules()}
         self._source_ids: dict[int, int] = {id(p): i for i, p in enumerate(params.values())}
         self._input_tensors = [tensor for _name, tensor in inputs]
         self._input_source_index = {src: i for i, src in enumerate(input_sources)}
@@ -167,7 +169,15 @@ class Capture:
         self._grad_fn_records: list[GradFn] = []
         self._call_records: list[GradFnCall] = []
 
-        self._build_forward_records(params, inputs)
+        self._forward_records: tuple | None = None
+        self._param_shapes = [(name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in params.items()]
+        self._input_meta = [
+            (name, tuple(t.shape), t.dtype, t.requires_grad, isinstance(t, torch.nn.Parameter))
+            for name, t in inputs
+        ]
+        self._first_call_of_module: dict[str, int] = {}
+        for call in journal.module_calls:
+            self._first_call_of_module.setdefault(call.module_address, call.index)
         output_tensors = [t for _p, t in iter_named_tensors(output)]
         self.inference_only = not any(t.requires_grad for t in output_tensors)
         self._inference_cause = _inference_cause(forward_grad_mode, params, inputs)
@@ -180,6 +190,7 @@ class Capture:
             owns_sequence_nr=journal.in_forward,
             policy=grad_policy,
             timing=timing,
+            store=self._store,
             on_nodes_added=self._on_nodes_added,
             grad_fn_record=lambda i: self._grad_fn_records[i],
             on_pass_closed=self._on_pass_closed,
@@ -190,7 +201,20 @@ class Capture:
             self._backward.hooking = False
 
     # -- forward records ---------------------------------------------------
-    def _build_forward_records(self, params, inputs) -> None:
+    @property
+    def _ops(self) -> list[OpRecord]:
+        return self._records()[0]
+
+    @property
+    def _modules(self) -> list[ModuleCallRecord]:
+        return self._records()[1]
+
+    def _records(self) -> tuple:
+        if self._forward_records is None:
+            self._forward_records = self._build_forward_records()
+        return self._forward_records
+
+    def _build_forward_records(self) -> tuple:
         journal = self._journal
         calls = journal.module_calls
         sources = journal.sources
@@ -203,7 +227,7 @@ class Capture:
                     func=entry.name,
                     module=calls[entry.module_call].address if entry.module_call is not None else None,
                     parents=[journal.ops[p].label for p in entry.parents],
-                    param_parents=[sources[-s - 1].name for s in entry.sources if sources[-s - 1].kind == "param"],
+                    param_parents=[sources[s].name for s in entry.sources if sources[s].kind == "param"],
                     shape=entry.shape,
                     dtype=entry.dtype,
                     num_outputs=entry.num_outputs,
@@ -212,7 +236,6 @@ class Capture:
                     _source=self,
                 )
             )
-        self._ops = ops
         modules = []
         for call in calls:
             op_end = call.op_end if call.op_end is not None else len(ops)
@@ -221,7 +244,7 @@ class Capture:
                     index=call.index,
                     address=call.address,
                     module_address=call.module_address,
-                    module_type=self._module_types.get(call.module_address, ""),
+                    module_type=journal.module_types.get(call.module_address, ""),
                     call_number=call.call_number,
                     parent=calls[call.parent].address if call.parent is not None else None,
                     children=[calls[c].address for c in call.children],
@@ -230,33 +253,30 @@ class Capture:
                     _source=self,
                 )
             )
-        self._modules = modules
-        self._param_records = [
+        params = [
             ParamRecord(
                 name=name,
                 module=name.rsplit(".", 1)[0] if "." in name else "",
-                shape=tuple(p.shape),
-                dtype=p.dtype,
-                requires_grad=p.requires_grad,
+                shape=shape,
+                dtype=dtype,
+                requires_grad=requires_grad,
                 _source=self,
             )
-            for name, p in params.items()
+            for name, shape, dtype, requires_grad in self._param_shapes
         ]
-        self._input_records = [
+        inputs = [
             InputRecord(
                 index=i,
                 name=name,
-                shape=tuple(t.shape),
-                dtype=t.dtype,
-                requires_grad=t.requires_grad,
-                was_parameter=isinstance(t, torch.nn.Parameter),
+                shape=shape,
+                dtype=dtype,
+                requires_grad=requires_grad,
+                was_parameter=was_parameter,
                 _source=self,
             )
-            for i, (name, t) in enumerate(inputs)
+            for i, (name, shape, dtype, requires_grad, was_parameter) in enumerate(self._input_meta)
         ]
-        self._first_call_of_module: dict[str, int] = {}
-        for call in calls:
-            self._first_call_of_module.setdefault(call.module_address, call.index)
+        return ops, modules, params, inputs
 
     # -- node pairing ----------------------------------------------------
     def _describe_node(self, node: Any, type_name: str, seq: int | None) -> Pairing:
@@ -362,7 +382,7 @@ class Capture:
         grads = []
         for call_index in self._backward.node_calls[node]:
             entry = calls[call_index]
-            saved = entry.grad_outputs
+            saved = self._store.load(entry.grad_outputs) if entry.grad_outputs is not None else None
             if saved is not None and output_nr < len(saved) and saved[output_nr] is not None:
                 grads.append(GradRecord(saved[output_nr], entry.pass_number))
         return grads
@@ -419,8 +439,8 @@ class Capture:
                     grad_fn=grad_fn,
                     index=entry.ordinal,
                     pass_number=entry.pass_number,
-                    grad_inputs=entry.grad_inputs,
-                    grad_outputs=entry.grad_outputs,
+                    grad_inputs=self._store.load(entry.grad_inputs) if entry.grad_inputs is not None else None,
+                    grad_outputs=self._store.load(entry.grad_outputs) if entry.grad_outputs is not None else None,
                     start=(start - pass_start) / 1e9 if start is not None else None,
                     duration=(entry.end_ns - start) / 1e9 if start is not None else None,
                 )
@@ -448,13 +468,13 @@ class Capture:
 
     @property
     def params(self) -> RecordList[ParamRecord]:
-        lst = RecordList(self._param_records, lambda r: r.name, ParamRecord.row, PARAM_COLUMNS)
+        lst = RecordList(self._records()[2], lambda r: r.name, ParamRecord.row, PARAM_COLUMNS)
         lst.kind = "parameter"
         return lst
 
     @property
     def inputs(self) -> RecordList[InputRecord]:
-        lst = RecordList(self._input_records, lambda r: r.name, InputRecord.row, INPUT_COLUMNS)
+        lst = RecordList(self._records()[3], lambda r: r.name, InputRecord.row, INPUT_COLUMNS)
         lst.kind = "input"
         return lst
 
@@ -587,7 +607,7 @@ class Capture:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "inference-only" if self.inference_only else "armed"
         return (
-            f"<Capture {state}: {len(self._ops)} ops, {len(self._modules)} module calls, "
+            f"<Capture {state}: {len(self._journal.ops)} ops, {len(self._journal.module_calls)} module calls, "
             f"{len(self._backward.passes)} backward passes>"
         )
 

@@ -18,13 +18,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.nn.modules.module import (
+    register_module_forward_hook,
+    register_module_forward_pre_hook,
+)
 from torch.overrides import TorchFunctionMode
 
 from backlens import _torch
 from backlens.graph.labels import op_name
 
 Tensor = torch.Tensor
-_sequence_nr = _torch.sequence_nr
+_sequence_nr = _torch.sequence_nr_function()
 
 
 @dataclass
@@ -79,22 +83,62 @@ class ForwardJournal:
     """Everything the forward left behind, in recording order."""
 
     def __init__(self) -> None:
-        self.ops: list[OpEntry] = []
+        self.raw_ops: list[tuple] = []
+        self._ops: list[OpEntry] = []
+        self._names: dict[Any, str] = {}
+        self._name_counts: dict[str, int] = {}
+        self.module_types: dict[str, str] = {}
         self.module_calls: list[ModuleCallEntry] = []
         self.sources: list[Source] = []
         self.seq_start: int | None = None
         self.seq_end: int | None = None
         self._op_seq_starts: list[int] | None = None
 
+    @property
+    def ops(self) -> list[OpEntry]:
+        """Every op entry, built from the raw rows on first read."""
+        if len(self._ops) < len(self.raw_ops):
+            self.op(len(self.raw_ops) - 1)
+        return self._ops
+
+    def op(self, index: int) -> OpEntry:
+        """Build entries up to ``index`` from the raw rows; labels count in call order."""
+        ops = self._ops
+        while len(ops) <= index:
+            (func, module_call, before, after, shape, dtype, num_outputs, parents,
+             output_node, output_nr) = self.raw_ops[len(ops)]
+            name = self._names.get(func)
+            if name is None:
+                name = self._names[func] = op_name(func)
+            count = self._name_counts.get(name, 0) + 1
+            self._name_counts[name] = count
+            ops.append(OpEntry(
+                index=len(ops),
+                name=name,
+                label=f"{name}_{count}",
+                func=func,
+                module_call=module_call,
+                seq_start=before,
+                seq_end=after,
+                shape=tuple(shape),
+                dtype=dtype,
+                num_outputs=num_outputs,
+                parents=[p for p in parents if p >= 0],
+                sources=[-p - 1 for p in parents if p < 0],
+                output_node=output_node,
+                output_nr=output_nr,
+            ))
+        return ops[index]
+
     def op_for_sequence_nr(self, seq: int) -> OpEntry | None:
         """The op whose bracket contains ``seq`` (the op created that node)."""
-        if self._op_seq_starts is None or len(self._op_seq_starts) != len(self.ops):
-            self._op_seq_starts = [op.seq_start for op in self.ops]
+        if self._op_seq_starts is None or len(self._op_seq_starts) != len(self.raw_ops):
+            self._op_seq_starts = [row[2] for row in self.raw_ops]
         pos = bisect_right(self._op_seq_starts, seq) - 1
         if pos >= 0:
-            op = self.ops[pos]
-            if op.seq_start <= seq < op.seq_end:
-                return op
+            row = self.raw_ops[pos]
+            if row[2] <= seq < row[3]:
+                return self.op(pos)
         return None
 
     def module_call_for_sequence_nr(self, seq: int) -> ModuleCallEntry | None:
@@ -141,7 +185,11 @@ class OpView:
 
 
 class ForwardRecorder(TorchFunctionMode):
-    """Journals ops (as a TorchFunctionMode) and module calls (as hooks)."""
+    """Journals ops (as a TorchFunctionMode) and module calls (as hooks).
+
+    Module hooks are registered process-wide for the forward only (two handles
+    instead of two per module) and ignore modules outside the captured model.
+    """
 
     def __init__(self, journal: ForwardJournal, activations: ActivationPolicy,
                  op_hook: Callable[[OpEntry, Any], Any] | None = None):
@@ -151,11 +199,11 @@ class ForwardRecorder(TorchFunctionMode):
         # An op hook may replace an op's output (activation edits); None keeps the hot path lean.
         self.op_hook = op_hook
         self._ids: dict[int, int] = {}
-        self._names: dict[Any, str] = {}
-        self._name_counts: dict[str, int] = {}
         self._module_stack: list[int] = []
         self._module_call_counts: dict[str, int] = {}
+        self._addresses: dict[int, str] = {}
         self._handles: list[Any] = []
+        self._raw = journal.raw_ops
 
     # -- sources ---------------------------------------------------------
     def register_source(self, tensor: Tensor, kind: str, name: str) -> None:
@@ -164,72 +212,68 @@ class ForwardRecorder(TorchFunctionMode):
 
     # -- module hooks ----------------------------------------------------
     def attach(self, model: torch.nn.Module) -> None:
-        for address, module in model.named_modules():
-            self._handles.append(module.register_forward_pre_hook(self._pre_hook(address)))
-            self._handles.append(
-                module.register_forward_hook(self._post_hook(), always_call=True)
-            )
+        modules = list(model.named_modules())
+        self._addresses = {id(module): address for address, module in modules}
+        self.journal.module_types = {address: type(module).__name__ for address, module in modules}
+        self._handles.append(register_module_forward_pre_hook(self._module_pre))
+        self._handles.append(register_module_forward_hook(self._module_post, always_call=True))
 
     def detach(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._module_stack.clear()
 
-    def _pre_hook(self, address: str):
-        journal = self.journal
-        stack = self._module_stack
-        counts = self._module_call_counts
-
-        def pre(module, args):
-            number = counts.get(address, 0) + 1
-            counts[address] = number
-            parent = stack[-1] if stack else None
-            call = ModuleCallEntry(
-                index=len(journal.module_calls),
-                address=address if number == 1 else f"{address}:{number}",
-                module_address=address,
-                call_number=number,
-                parent=parent,
-                seq_start=_sequence_nr() or 0,
-                op_start=len(journal.ops),
-            )
-            if parent is not None:
-                journal.module_calls[parent].children.append(call.index)
-            journal.module_calls.append(call)
-            stack.append(call.index)
-
-        return pre
-
-    def _post_hook(self):
-        journal = self.journal
-        stack = self._module_stack
-
-        def post(module, args, output):
-            if not stack:
-                return None
-            call = journal.module_calls[stack.pop()]
-            call.seq_end = _sequence_nr() or 0
-            call.op_end = len(journal.ops)
-            first = _first_tensor(output)
-            if first is not None:
-                call.output_shape = tuple(first.shape)
-                if first.grad_fn is not None:
-                    call.output_node = first.grad_fn
-                    call.output_nr = first.output_nr
+    def _module_pre(self, module, args):
+        address = self._addresses.get(id(module))
+        if address is None:
             return None
+        journal = self.journal
+        stack = self._module_stack
+        number = self._module_call_counts.get(address, 0) + 1
+        self._module_call_counts[address] = number
+        parent = stack[-1] if stack else None
+        call = ModuleCallEntry(
+            index=len(journal.module_calls),
+            address=address if number == 1 else f"{address}:{number}",
+            module_address=address,
+            call_number=number,
+            parent=parent,
+            seq_start=_sequence_nr(),
+            op_start=len(self._raw),
+        )
+        if parent is not None:
+            journal.module_calls[parent].children.append(call.index)
+        journal.module_calls.append(call)
+        stack.append(call.index)
+        return None
 
-        return post
+    def _module_post(self, module, args, output):
+        stack = self._module_stack
+        if not stack or id(module) not in self._addresses:
+            return None
+        call = self.journal.module_calls[stack.pop()]
+        call.seq_end = _sequence_nr()
+        call.op_end = len(self._raw)
+        first = output if isinstance(output, Tensor) else _first_tensor(output)
+        if first is not None:
+            call.output_shape = tuple(first.shape)
+            node = first.grad_fn
+            if node is not None:
+                call.output_node = node
+                call.output_nr = first.output_nr
+        return None
 
-    # -- ops -------------------------------------------------------------
+    # -- ops (hot path) ----------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if kwargs is None:
-            kwargs = {}
         before = _sequence_nr()
-        out = func(*args, **kwargs)
+        out = func(*args, **kwargs) if kwargs else func(*args)
         after = _sequence_nr()
         if isinstance(out, Tensor):
-            primary = out
+            if after == before and args and out is args[0]:
+                return out  # identity (contiguous on a contiguous tensor, .to same dtype)
             outputs = None
+            primary = out
         elif isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):
             primary = out[0]
             outputs = out
@@ -238,74 +282,63 @@ class ForwardRecorder(TorchFunctionMode):
             outputs = None
         else:
             return out
-        if after == before and args and primary is args[0]:
-            return out  # identity (contiguous on a contiguous tensor, .to same dtype)
-        entry = self._record(func, args, kwargs, primary, outputs, before or 0, after or 0)
-        if self.op_hook is not None:
-            out = self.op_hook(entry, out)
-        return out
-
-    def _record(self, func, args, kwargs, primary, outputs, before, after) -> OpEntry:
-        name = self._names.get(func)
-        if name is None:
-            name = self._names[func] = op_name(func)
-        count = self._name_counts.get(name, 0) + 1
-        self._name_counts[name] = count
         ids = self._ids
         parents: list[int] = []
-        sources: list[int] = []
         for arg in args:
-            _collect(arg, ids, parents, sources)
-        for arg in kwargs.values():
-            _collect(arg, ids, parents, sources)
-        journal = self.journal
-        index = len(journal.ops)
-        stack = self._module_stack
-        entry = OpEntry(
-            index=index,
-            name=name,
-            label=f"{name}_{count}",
-            func=func,
-            module_call=stack[-1] if stack else None,
-            seq_start=before,
-            seq_end=after,
-            shape=tuple(primary.shape),
-            dtype=primary.dtype,
-            num_outputs=len(outputs) if outputs is not None else 1,
-            parents=parents,
-            sources=sources,
-        )
-        if after - before > 1:
-            # Several nodes were made; remember which one is the output's.
-            entry.output_node = primary.grad_fn
-            entry.output_nr = primary.output_nr
+            if isinstance(arg, Tensor):
+                found = ids.get(id(arg))
+                if found is not None and found not in parents:
+                    parents.append(found)
+            elif isinstance(arg, (list, tuple)):
+                _collect(arg, ids, parents)
+        if kwargs:
+            _collect(kwargs.values(), ids, parents)
+        index = len(self._raw)
         if outputs is None:
             ids[id(primary)] = index
         else:
             for item in outputs:
                 if isinstance(item, Tensor):
                     ids[id(item)] = index
+        stack = self._module_stack
+        output_node = None
+        output_nr = 0
+        if after - before > 1:
+            # Several nodes were made; remember which one is the output's.
+            output_node = primary.grad_fn
+            output_nr = primary.output_nr
+        self._raw.append((
+            func, stack[-1] if stack else None, before, after, primary.shape, primary.dtype,
+            1 if outputs is None else len(outputs), parents, output_node, output_nr,
+        ))
+        if self.activations.keeps_any or self.op_hook is not None:
+            out = self._slow_path(index, out, primary)
+        return out
+
+    def _slow_path(self, index: int, out: Any, primary: Tensor) -> Any:
+        entry = self.journal.op(index)
         if self.activations.keeps_any:
-            module = journal.module_calls[entry.module_call].address if entry.module_call is not None else None
-            if self.activations.keeps(OpView(entry.label, name, module)):
+            module = (self.journal.module_calls[entry.module_call].address
+                      if entry.module_call is not None else None)
+            if self.activations.keeps(OpView(entry.label, entry.name, module)):
                 entry.activation = primary.detach().clone()
-        journal.ops.append(entry)
-        return entry
+        if self.op_hook is not None:
+            out = self.op_hook(entry, out)
+        return out
+
+    def finish(self) -> None:
+        """Drop the forward-time lookup tables (after the forward)."""
+        self._ids = {}
 
 
-def _collect(arg: Any, ids: dict[int, int], parents: list[int], sources: list[int]) -> None:
-    if isinstance(arg, Tensor):
-        found = ids.get(id(arg))
-        if found is not None:
-            if found >= 0:
-                if found not in parents:
-                    parents.append(found)
-            elif found not in sources:
-                sources.append(found)
-    elif isinstance(arg, (list, tuple)):
-        for item in arg:
-            if isinstance(item, Tensor):
-                _collect(item, ids, parents, sources)
+def _collect(items: Any, ids: dict[int, int], parents: list[int]) -> None:
+    for item in items:
+        if isinstance(item, Tensor):
+            found = ids.get(id(item))
+            if found is not None and found not in parents:
+                parents.append(found)
+        elif isinstance(item, (list, tuple)):
+            _collect(item, ids, parents)
 
 
 def _first_tensor(value: Any) -> Tensor | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -41,6 +42,7 @@ class Participant(Protocol):
     def open_pass(self, run: Run) -> Any: ...
     def close_pass(self, backward_pass: Any, error: BaseException | None) -> None: ...
     def owns_non_leaf(self, node: Any) -> bool: ...
+    def run_contexts(self, run: Run) -> list[Any]: ...
 
 
 @dataclass(eq=False)
@@ -103,7 +105,11 @@ def _make_wrapper(original):
         pending = _pending()
         pending.append(run)
         try:
-            result = original(t_outputs, *args, **kwargs)
+            with ExitStack() as stack:
+                for participant in run.passes:
+                    for context in participant.run_contexts(run):
+                        stack.enter_context(context)
+                result = original(t_outputs, *args, **kwargs)
         except BaseException as exc:
             _forget(run, pending)
             replacement = close_run(run, exc)

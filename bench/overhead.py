@@ -1,0 +1,161 @@
+"""Capture overhead against plain PyTorch, in the same process.
+
+Model: a 4-layer GPT-2 config (n_embd 256, 4 heads, vocab 1000), batch 4 x seq 64,
+one thread. Variants run in interleaved rounds; the median ratio to plain is printed.
+
+    python bench/overhead.py [--rounds 30]
+
+Targets: captured forward <= 1.05x plain forward; fwd+bwd with timing, no FLOPs,
+no saved grads <= 1.10x; save_grads=True <= 1.35x with peak memory above plain
+no more than the saved gradients' bytes + 10% (peak RSS, one fresh process per variant).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+import backlens as bl
+
+
+def make_model():
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=4, n_embd=256, n_head=4, vocab_size=1000, n_positions=128,
+        bos_token_id=0, eos_token_id=0,
+    )
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 1000, (4, 64), generator=torch.Generator().manual_seed(0))
+    return model, ids
+
+
+def saved_grad_bytes(cap) -> int:
+    storages = {}
+    for call in cap.grad_fn_calls:
+        for side in (call.grad_inputs, call.grad_outputs):
+            for tensor in side or ():
+                if tensor is not None:
+                    storage = tensor.untyped_storage()
+                    storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def variants(model, ids):
+    def plain_forward():
+        model(ids).logits
+
+    def captured_forward():
+        bl.capture(model, ids, backward=False, flops=False, timing=False).close()
+
+    def plain_step():
+        model(ids).logits.sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    def captured_step(**options):
+        def step():
+            cap = bl.capture(model, ids, **options)
+            cap.output.logits.sum().backward()
+            cap.close()
+            model.zero_grad(set_to_none=True)
+        return step
+
+    return {
+        "forward": (plain_forward, {"captured forward": captured_forward}),
+        "fwd+bwd": (
+            plain_step,
+            {
+                "capture timing, no flops, no grads": captured_step(flops=False, timing=True),
+                "capture save_grads=True": captured_step(flops=False, save_grads=True),
+            },
+        ),
+    }
+
+
+def time_rounds(plain, others, rounds: int) -> dict[str, float]:
+    samples = {"plain": [], **{name: [] for name in others}}
+    for _ in range(3):
+        plain()
+        for fn in others.values():
+            fn()
+    for _ in range(rounds):
+        for name, fn in [("plain", plain), *others.items()]:
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    base = statistics.median(samples["plain"])
+    return {name: statistics.median(s) / base for name, s in samples.items() if name != "plain"} | {
+        "plain_ms": base * 1e3
+    }
+
+
+def peak_memory_child(variant: str) -> None:
+    """Runs in a fresh process: one fwd+bwd, prints peak RSS growth and saved bytes."""
+    torch.set_num_threads(1)
+    model, ids = make_model()
+    model(ids)  # warm the allocator with a forward alone
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    saved = 0
+    if variant == "plain":
+        model(ids).logits.sum().backward()
+    else:
+        cap = bl.capture(model, ids, flops=False, save_grads=True)
+        cap.output.logits.sum().backward()
+        saved = saved_grad_bytes(cap)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"growth": peak - base, "saved": saved}))
+
+
+def peak_memory() -> dict[str, int]:
+    result = {}
+    for variant in ("plain", "save_grads"):
+        out = subprocess.run(
+            [sys.executable, __file__, "--memory-child", variant],
+            check=True, capture_output=True, text=True,
+        ).stdout
+        result[variant] = json.loads(out.strip().splitlines()[-1])
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--memory-child")
+    parser.add_argument("--no-memory", action="store_true")
+    args = parser.parse_args()
+    if args.memory_child:
+        peak_memory_child(args.memory_child)
+        return
+    torch.set_num_threads(1)
+    model, ids = make_model()
+    print(f"GPT-2 4 layers, n_embd 256, batch 4 x seq 64, torch {torch.__version__}, 1 thread")
+    for group, (plain, others) in variants(model, ids).items():
+        ratios = time_rounds(plain, others, args.rounds)
+        print(f"[{group}] plain median {ratios.pop('plain_ms'):.1f} ms")
+        for name, ratio in ratios.items():
+            print(f"  {name:<40} {ratio:.3f}x plain")
+    if not args.no_memory:
+        memory = peak_memory()
+        plain, saved = memory["plain"], memory["save_grads"]
+        extra = saved["growth"] - plain["growth"]
+        allowed = saved["saved"] * 1.10
+        print(
+            f"[memory] peak RSS growth plain {plain['growth'] / 2**20:.1f} MiB, "
+            f"save_grads=True {saved['growth'] / 2**20:.1f} MiB; extra {extra / 2**20:.1f} MiB "
+            f"vs saved gradients {saved['saved'] / 2**20:.1f} MiB "
+            f"(budget saved + 10% = {allowed / 2**20:.1f} MiB): "
+            f"{'within' if extra <= allowed else 'OVER'}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""Where saved gradients live: in memory by default, on disk with ``bl.to_disk``.
+
+The backward journal never holds tensors directly; it holds whatever
+``keep`` returns, and records read tensors back through ``load``. A store
+may write as tensors arrive and read them back lazily.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+
+class TensorStore(Protocol):
+    def keep(self, tensors: tuple[torch.Tensor | None, ...], name: str) -> Any:
+        """Take ownership of ``tensors`` (one node call's side) and return a handle."""
+
+    def load(self, handle: Any) -> tuple[torch.Tensor | None, ...]:
+        """The tensors behind a handle ``keep`` returned."""
+
+    def close(self) -> None:
+        """Flush and release whatever the store holds open."""
+
+
+class MemoryStore:
+    """Keeps references to the tensors autograd produced (no copies)."""
+
+    def keep(self, tensors: tuple[torch.Tensor | None, ...], name: str) -> tuple:
+        return tensors
+
+    def load(self, handle: tuple) -> tuple:
+        return handle
+
+    def close(self) -> None:
+        return None

@@ -1,0 +1,76 @@
+"""Which block body the current thread is running, and what it saved.
+
+A *block* is one body of user code that backlens runs itself: a trace body, an
+invoke body, or a ``with t.backward():`` body. Every thread runs at most one
+block at a time (mediator threads run exactly one), so a thread-local pointer
+is enough to know where ``save()`` registers and which trace a ``.grad`` or
+``.output`` request belongs to.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from backlens.live.backward import BackwardRun
+    from backlens.live.forward import ForwardRun, Invoke
+    from backlens.live.mediator import Mediator
+
+_local = threading.local()
+
+
+@dataclass(eq=False)
+class Block:
+    """One running body.
+
+    ``kind`` is ``"trace"`` (a trace body that only declares invokes),
+    ``"invoke"`` (a body run in step with the forward) or ``"backward"`` (a
+    body run in step with the backward). ``saved`` maps ``id(value)`` to the
+    value for every ``save()`` made in this body (or pushed up by a nested
+    block); only names bound to these objects leave the body.
+    """
+
+    kind: str
+    forward: ForwardRun | None = None
+    invoke: Invoke | None = None
+    backward: BackwardRun | None = None
+    mediator: Mediator | None = None
+    saved: dict[int, Any] = field(default_factory=dict)
+
+    def keep(self, value: Any) -> None:
+        self.saved[id(value)] = value
+
+    def is_saved(self, value: Any) -> bool:
+        return self.saved.get(id(value), _MISSING) is value
+
+
+_MISSING = object()
+
+
+def current_block() -> Block | None:
+    """The block the calling thread runs, or None outside every block."""
+    return getattr(_local, "block", None)
+
+
+@contextmanager
+def running(block: Block) -> Iterator[Block]:
+    """Make ``block`` the calling thread's current block for the duration."""
+    previous = getattr(_local, "block", None)
+    _local.block = block
+    try:
+        yield block
+    finally:
+        _local.block = previous
+
+
+def saved_names(final_locals: dict[str, Any], block: Block) -> dict[str, Any]:
+    """The names of a finished body whose values were saved in ``block``."""
+    return {
+        name: value
+        for name, value in final_locals.items()
+        if not name.startswith("__backlens_") and block.is_saved(value)
+    }
