@@ -66,6 +66,8 @@ _local = threading.local()
 _lock = threading.RLock()
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Files of the package that are user-level code (their lines are call sites).
+_USER_LEVEL = tuple(os.path.join(_PACKAGE_DIR, name) for name in ("demo.py",))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 
@@ -183,7 +185,8 @@ def user_call_site() -> CallSite | None:
     frame = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not filename.startswith((_TORCH_DIR, _PACKAGE_DIR)) and not filename.startswith("<frozen"):
+        internal = filename.startswith((_TORCH_DIR, _PACKAGE_DIR)) and not filename.startswith(_USER_LEVEL)
+        if not internal and not filename.startswith("<frozen"):
             return CallSite(filename, frame.f_lineno, frame.f_code.co_name)
         frame = frame.f_back
     return None
