@@ -23,6 +23,7 @@ from backlens.graph.engine import CallSite
 from backlens.records.backward import BackwardPass, GradFn, GradFnCall
 from backlens.records.grads import GradRecord
 from backlens.report.doctor import doctor
+from backlens.report.explain import Explanation, explain
 
 __all__ = [
     "AmbiguousGradError",
@@ -38,6 +39,8 @@ __all__ = [
     "GradRecord",
     "capture",
     "doctor",
+    "explain",
+    "Explanation",
     "report",
     "FreedGraphError",
     "NoGradForwardError",

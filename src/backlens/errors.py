@@ -19,6 +19,9 @@ __all__ = [
     "LabelNotFoundError",
     "NoGradForwardError",
     "NoGradientPathError",
+    "NonFiniteGradError",
+    "OnceOnlyNodeError",
+    "SavedTensorModifiedError",
     "OutOfOrderError",
     "TraceError",
     "UnsupportedInputError",
@@ -136,6 +139,30 @@ class UnsupportedInputError(BacklensError, ValueError):
 
     code = "unsupported_input"
     remedy = "Pass the kind of value the message names."
+
+
+class OnceOnlyNodeError(BacklensError, RuntimeError):
+    """A node freed its own saved tensors, so a retained graph cannot run it again."""
+
+    code = "once_only_node"
+    remedy = (
+        "Run a fresh forward for each backward; the Function's author can use "
+        "ctx.maybe_clear_saved_tensors() or clear only when the graph is not retained."
+    )
+
+
+class SavedTensorModifiedError(BacklensError, RuntimeError):
+    """A tensor saved for backward was modified in place after it was saved."""
+
+    code = "saved_tensor_modified"
+    remedy = "Use the out-of-place form of the in-place op (or inplace=False), or clone before it."
+
+
+class NonFiniteGradError(BacklensError, RuntimeError):
+    """A node produced NaN/Inf gradients from finite incoming gradients."""
+
+    code = "nonfinite_grad"
+    remedy = "Guard the forward op the message names (clamp its input, add an epsilon, use a stable form)."
 
 
 class BacklensWarning(UserWarning):

@@ -59,6 +59,7 @@ class PassState:
     seq_start: int | None
     seq_end: int | None = None
     result: Any = None
+    failed_node: int | None = None
 
 
 class BackwardRecorder:
@@ -101,6 +102,9 @@ class BackwardRecorder:
         self._next_policy: GradPolicy | None = None
         self.armed = False
         self.hooking = True
+        self.detect_nonfinite = False
+        self._preflight: Callable[[PassState], BaseException | None] | None = None
+        self.nonfinite_error: Callable[[int, PassState, str], BaseException] | None = None
         self.pre_edits: dict[int, Callable[[tuple, PassState], tuple | None]] = {}
 
     # -- arming ----------------------------------------------------------
@@ -217,6 +221,10 @@ class BackwardRecorder:
             observer.on_pass_open(state)
         return state
 
+    def preflight(self, state: PassState) -> BaseException | None:
+        """An error to raise instead of running the engine (a node that cannot run again)."""
+        return self._preflight(state) if self._preflight is not None else None
+
     def run_contexts(self, run: engine.Run) -> list[Any]:
         """Context managers to hold open around an explicit engine run."""
         contexts = []
@@ -236,6 +244,10 @@ class BackwardRecorder:
             return None
         record.duration = (_now() - state.start_ns) / 1e9
         record.status = "failed" if error is not None else "ok"
+        if error is not None and self._starts:
+            # The node whose pre-hook ran without its post-hook is the one that raised.
+            state.failed_node = max(self._starts, key=lambda i: self._starts[i][0])
+            self._starts.clear()
         record.error = error
         state.seq_end = _sequence_nr()
         if state.run.create_graph and error is None:
@@ -335,6 +347,8 @@ class BackwardRecorder:
             grad_inputs=self.store.keep(tuple(grad_inputs), "grad_inputs") if sides & GRAD_INPUT else None,
             grad_outputs=self.store.keep(tuple(grad_outputs), "grad_outputs") if sides & GRAD_OUTPUT else None,
         )
+        if self.detect_nonfinite:
+            self._check_finite(index, state, grad_inputs, grad_outputs)
         if state.run.create_graph:
             entry.seq_start = seq_start
             entry.seq_end = _sequence_nr()
@@ -345,3 +359,20 @@ class BackwardRecorder:
         ordinals.append(call_index)
         state.call_indices.append(call_index)
         return None
+
+    def _check_finite(self, index: int, state: PassState, grad_inputs: tuple, grad_outputs: tuple) -> None:
+        """Stop at the first node turning finite incoming gradients into NaN/Inf."""
+        if not all(_finite(g) for g in grad_outputs):
+            return
+        for grad in grad_inputs:
+            if not _finite(grad):
+                bad = "NaN" if torch.isnan(grad).any() else "Inf"
+                if self.nonfinite_error is not None:
+                    raise self.nonfinite_error(index, state, bad)
+                raise FloatingPointError(f"non-finite gradient ({bad}) from node {index}")
+
+
+def _finite(grad: Any) -> bool:
+    if grad is None or not grad.is_floating_point() and not grad.is_complex():
+        return True
+    return bool(torch.isfinite(grad).all())

@@ -49,6 +49,7 @@ class OpEntry:
     sources: list[int]
     output_node: Any = None
     output_nr: int = 0
+    inplace: bool = False
     activation: Tensor | None = None
 
 
@@ -106,7 +107,7 @@ class ForwardJournal:
         ops = self._ops
         while len(ops) <= index:
             (func, module_call, before, after, shape, dtype, num_outputs, parents,
-             output_node, output_nr) = self.raw_ops[len(ops)]
+             output_node, output_nr, inplace) = self.raw_ops[len(ops)]
             name = self._names.get(func)
             if name is None:
                 name = self._names[func] = op_name(func)
@@ -127,6 +128,7 @@ class ForwardJournal:
                 sources=[-p - 1 for p in parents if p < 0],
                 output_node=output_node,
                 output_nr=output_nr,
+                inplace=inplace,
             ))
         return ops[index]
 
@@ -139,6 +141,19 @@ class ForwardJournal:
             row = self.raw_ops[pos]
             if row[2] <= seq < row[3]:
                 return self.op(pos)
+        return None
+
+    def op_run_by_custom_node(self, seq: int) -> OpEntry | None:
+        """The last op a custom Function's forward ran, for its node ``seq``.
+
+        ``Function.apply`` is invisible to the mode and takes its node's sequence
+        number before running forward under no_grad, so the ops of that forward
+        make no node and sit at ``seq + 1``; the last of them made the output.
+        """
+        self.op_for_sequence_nr(seq)  # refreshes the bracket index
+        pos = bisect_right(self._op_seq_starts, seq + 1) - 1
+        if pos >= 0 and self.raw_ops[pos][2] == self.raw_ops[pos][3] == seq + 1:
+            return self.op(pos)
         return None
 
     def module_call_for_sequence_nr(self, seq: int) -> ModuleCallEntry | None:
@@ -310,6 +325,7 @@ class ForwardRecorder(TorchFunctionMode):
         self._raw.append((
             func, stack[-1] if stack else None, before, after, primary.shape, primary.dtype,
             1 if outputs is None else len(outputs), parents, output_node, output_nr,
+            bool(args) and primary is args[0],
         ))
         if self.activations.keeps_any or self.op_hook is not None:
             out = self._slow_path(index, out, primary)

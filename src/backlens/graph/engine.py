@@ -43,6 +43,7 @@ class Participant(Protocol):
     def close_pass(self, backward_pass: Any, error: BaseException | None) -> None: ...
     def owns_non_leaf(self, node: Any) -> bool: ...
     def run_contexts(self, run: Run) -> list[Any]: ...
+    def preflight(self, backward_pass: Any) -> BaseException | None: ...
 
 
 @dataclass(eq=False)
@@ -104,6 +105,11 @@ def _make_wrapper(original):
         run = _open_explicit_run(t_outputs, args, kwargs)
         if run is None:
             return original(t_outputs, *args, **kwargs)
+        for participant, backward_pass in run.passes.items():
+            refused = participant.preflight(backward_pass)
+            if refused is not None:
+                close_run(run, refused)
+                raise refused
         pending = _pending()
         pending.append(run)
         try:

@@ -33,9 +33,11 @@ _DUNDER_ALIASES = {
 def op_name(func: object) -> str:
     """The short torch name of a function seen by a TorchFunctionMode."""
     name = getattr(func, "__name__", None) or type(func).__name__
+    owner = getattr(func, "__self__", None)
+    if name == "apply" and isinstance(owner, type):
+        return owner.__name__  # a custom autograd Function: its class names it
     if name in ("__get__", "__set__"):
         # Property access: the property's own name says what it is (``T``, ``mT``).
-        owner = getattr(func, "__self__", None)
         prop = getattr(owner, "__name__", None)
         if prop:
             name = prop if name == "__get__" else f"set_{prop}"

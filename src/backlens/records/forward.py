@@ -31,6 +31,7 @@ class OpRecord:
     shape: tuple[int, ...] | None
     dtype: torch.dtype | None
     num_outputs: int
+    inplace: bool
     activation: torch.Tensor | None
     forward_flops: int | None
     _source: Any = field(repr=False, default=None)
@@ -65,6 +66,7 @@ class OpRecord:
             "shape": self.shape,
             "dtype": str(self.dtype).replace("torch.", "") if self.dtype is not None else None,
             "num_outputs": self.num_outputs,
+            "inplace": self.inplace,
             "grad_fn": grad_fn.label if grad_fn is not None else None,
             "has_activation": self.activation is not None,
             "forward_flops": self.forward_flops,
@@ -74,7 +76,7 @@ class OpRecord:
 
 OP_COLUMNS = [
     "index", "label", "func", "module", "parents", "param_parents", "shape", "dtype",
-    "num_outputs", "grad_fn", "has_activation", "forward_flops", "grad", "num_saved_grads",
+    "num_outputs", "inplace", "grad_fn", "has_activation", "forward_flops", "grad", "num_saved_grads",
 ]
 
 
