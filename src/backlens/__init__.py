@@ -24,6 +24,7 @@ from backlens.records.backward import BackwardPass, GradFn, GradFnCall
 from backlens.records.grads import GradRecord
 from backlens.report.doctor import doctor
 from backlens.report.explain import Explanation, explain
+from backlens.report.validate import ValidationResult, validate
 
 __all__ = [
     "AmbiguousGradError",
@@ -40,6 +41,8 @@ __all__ = [
     "capture",
     "doctor",
     "explain",
+    "validate",
+    "ValidationResult",
     "Explanation",
     "report",
     "FreedGraphError",

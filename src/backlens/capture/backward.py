@@ -361,18 +361,26 @@ class BackwardRecorder:
         return None
 
     def _check_finite(self, index: int, state: PassState, grad_inputs: tuple, grad_outputs: tuple) -> None:
-        """Stop at the first node turning finite incoming gradients into NaN/Inf."""
-        if not all(_finite(g) for g in grad_outputs):
-            return
+        """Stop at the first node turning finite incoming gradients into NaN/Inf.
+
+        Incoming gradients were checked as the outgoing ones of earlier nodes, so
+        they are looked at only once an outgoing one is bad.
+        """
         for grad in grad_inputs:
-            if not _finite(grad):
-                bad = "NaN" if torch.isnan(grad).any() else "Inf"
-                if self.nonfinite_error is not None:
-                    raise self.nonfinite_error(index, state, bad)
-                raise FloatingPointError(f"non-finite gradient ({bad}) from node {index}")
+            if _finite(grad):
+                continue
+            if not all(_finite(g) for g in grad_outputs):
+                return  # it arrived non-finite; the node that made it was reported or is upstream
+            bad = "NaN" if torch.isnan(grad).any() else "Inf"
+            if self.nonfinite_error is not None:
+                raise self.nonfinite_error(index, state, bad)
+            raise FloatingPointError(f"non-finite gradient ({bad}) from node {index}")
 
 
 def _finite(grad: Any) -> bool:
-    if grad is None or not grad.is_floating_point() and not grad.is_complex():
+    if grad is None or not (grad.is_floating_point() or grad.is_complex()):
+        return True
+    # One reduction pass; NaN and Inf survive a sum. A sum that overflows is rechecked exactly.
+    if bool(torch.isfinite(grad.sum())):
         return True
     return bool(torch.isfinite(grad).all())

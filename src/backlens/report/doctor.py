@@ -11,11 +11,22 @@ from backlens import _torch
 from backlens._version import __version__
 
 
+def _version_of(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "not installed"
+
+
 def doctor_text() -> str:
     lines = [
         f"backlens {__version__}",
         f"torch {torch.__version__} (python {platform.python_version()}, {sys.platform})",
         f"CUDA available: {torch.cuda.is_available()}",
+        f"numpy {_version_of('numpy')}, pandas {_version_of('pandas')}, safetensors {_version_of('safetensors')}, "
+        f"rich {_version_of('rich')}",
         "",
         "capabilities:",
     ]
@@ -23,8 +34,8 @@ def doctor_text() -> str:
     for cap in _torch.CAPABILITIES:
         mark = "yes" if cap.present else "NO "
         lines.append(f"  {cap.name:<{width}}  {mark}  used for {cap.used_for}")
-        if not cap.present:
-            lines.append(f"  {'':<{width}}       without it: {cap.without_it}")
+        prefix = "DEGRADED:" if not cap.present else "without it:"
+        lines.append(f"  {'':<{width}}       {prefix} {cap.without_it}")
     lines.append(f"  engine wrapper installed: {_torch.engine_wrapper_installed()}")
     return "\n".join(lines)
 
