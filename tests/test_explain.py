@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from models import MLP, loss_of
 
 import backlens as bl
 from backlens.report.explain import ORIGINAL_PREFIX, explain
+from models import MLP, loss_of
 
 
 class ClearsSavedData(torch.autograd.Function):

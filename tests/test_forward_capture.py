@@ -8,9 +8,9 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn as nn
-from models import MLP, SmallCNN, build, loss_of
 
 import backlens as bl
+from models import MLP, SmallCNN, build, loss_of
 
 
 def node_types_reachable(output) -> Counter:

@@ -7,9 +7,9 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-from models import build, loss_of
 
 import backlens as bl
+from models import build, loss_of
 
 
 @pytest.mark.parametrize("name", ["mlp", "cnn", "gpt2_cache", "bert"])

@@ -5,49 +5,109 @@ pass over its graph; :func:`wrap` gives a lens whose ``trace()`` block runs
 your code during the real forward and backward.
 """
 
-from backlens import report
+from backlens import bench, report
 from backlens._version import __version__
 from backlens.capture.capture import Capture, capture
+from backlens.edits import add_noise, clamp, clip_norm, grad, scale, when, zero_ablate
 from backlens.errors import (
     AmbiguousGradError,
     BacklensError,
     BacklensWarning,
     BackwardUnavailableError,
     BundleError,
+    CaptureClosedError,
     FreedGraphError,
+    LabelNotFoundError,
     NoGradForwardError,
     NoGradientPathError,
+    NonFiniteGradError,
+    OnceOnlyNodeError,
     OutOfOrderError,
+    SavedTensorModifiedError,
+    TraceError,
+    UnsupportedInputError,
 )
 from backlens.graph.engine import CallSite
+from backlens.io.bundle import load
+from backlens.io.disk_store import to_disk
+from backlens.live import Batcher, Lens, Tracer, save, wrap
 from backlens.records.backward import BackwardPass, GradFn, GradFnCall
 from backlens.records.grads import GradRecord
 from backlens.report.doctor import doctor
 from backlens.report.explain import Explanation, explain
 from backlens.report.validate import ValidationResult, validate
+from backlens.select import (
+    Selector,
+    func,
+    grad_fn,
+    grad_input,
+    grad_output,
+    in_pass,
+    label,
+    module,
+    without_op,
+)
 
 __all__ = [
+    # errors and warnings
     "AmbiguousGradError",
     "BacklensError",
     "BacklensWarning",
     "BackwardUnavailableError",
-    "BackwardPass",
     "BundleError",
+    "CaptureClosedError",
+    "FreedGraphError",
+    "LabelNotFoundError",
+    "NoGradForwardError",
+    "NoGradientPathError",
+    "NonFiniteGradError",
+    "OnceOnlyNodeError",
+    "OutOfOrderError",
+    "SavedTensorModifiedError",
+    "TraceError",
+    "UnsupportedInputError",
+    # capture and its records
+    "BackwardPass",
     "CallSite",
     "Capture",
     "GradFn",
     "GradFnCall",
     "GradRecord",
     "capture",
+    # selectors
+    "Selector",
+    "func",
+    "grad_fn",
+    "grad_input",
+    "grad_output",
+    "in_pass",
+    "label",
+    "module",
+    "without_op",
+    # edits
+    "add_noise",
+    "clamp",
+    "clip_norm",
+    "grad",
+    "scale",
+    "when",
+    "zero_ablate",
+    # storage and bundles
+    "load",
+    "to_disk",
+    # live tracing
+    "Batcher",
+    "Lens",
+    "Tracer",
+    "save",
+    "wrap",
+    # reports and tools
+    "Explanation",
+    "ValidationResult",
+    "bench",
     "doctor",
     "explain",
-    "validate",
-    "ValidationResult",
-    "Explanation",
     "report",
-    "FreedGraphError",
-    "NoGradForwardError",
-    "NoGradientPathError",
-    "OutOfOrderError",
+    "validate",
     "__version__",
 ]

@@ -172,3 +172,96 @@ def is_custom_function_node(node: Any) -> bool:
     """True for nodes of user ``torch.autograd.Function`` subclasses."""
     return isinstance(node, torch.autograd.function.BackwardCFunction)
 
+
+
+# cost ---------------------------------------------------------------------
+# FLOP counting (backlens.cost) reads which autograd node runs an ATen call
+# (above), which saved-tensor hooks are active (checkpoint recomputation) and
+# whether an op only decomposes.
+
+_top_saved_tensors_hooks = _lookup(_autograd_c, "_top_saved_tensors_default_hooks")
+_has_kernel_for_key = _lookup(torch._C, "_dispatch_has_kernel_for_dispatch_key")
+
+HAS_TOP_SAVED_TENSORS_HOOKS = _top_saved_tensors_hooks is not None
+HAS_DISPATCH_KERNEL_QUERY = _has_kernel_for_key is not None
+
+CAPABILITIES = CAPABILITIES + (
+    Capability(
+        "HAS_TOP_SAVED_TENSORS_HOOKS",
+        HAS_TOP_SAVED_TENSORS_HOOKS,
+        "telling checkpoint recomputation apart in create_graph=True passes",
+        "recompute_flops is None in create_graph=True passes",
+    ),
+    Capability(
+        "HAS_DISPATCH_KERNEL_QUERY",
+        HAS_DISPATCH_KERNEL_QUERY,
+        "counting FLOPs inside composite ops that have no kernel of their own",
+        "composite ops that reach the counter are counted as one op",
+    ),
+)
+
+
+def current_autograd_node_function() -> Callable[[], Any]:
+    """The raw executing-node reader, for hot paths (returns None when unavailable)."""
+    return _current_autograd_node if _current_autograd_node is not None else (lambda: None)
+
+
+def top_saved_tensors_pack_hook() -> Callable[..., Any] | None:
+    """The pack hook of the innermost ``saved_tensors_hooks`` context, if any."""
+    if _top_saved_tensors_hooks is None:
+        return None
+    hooks = _top_saved_tensors_hooks(False)
+    return hooks[0] if hooks else None
+
+
+# Keys whose kernel runs instead of a CompositeImplicitAutograd decomposition.
+_OWN_KERNEL_KEYS = (
+    "CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional",
+    "CPU", "CUDA", "XPU", "MPS", "HIP", "HPU", "PrivateUse1",
+)
+
+
+def only_decomposes(op: Any) -> bool:
+    """Whether an ATen overload has a CompositeImplicitAutograd decomposition and no
+    kernel of its own, so running the decomposition is what would run anyway."""
+    composite = any(getattr(key, "name", None) == "CompositeImplicitAutograd"
+                    for key in getattr(op, "py_kernels", ()))
+    if _has_kernel_for_key is None:
+        return False
+    try:
+        name = op.name()
+        composite = composite or bool(_has_kernel_for_key(name, "CompositeImplicitAutograd"))
+        return composite and not any(_has_kernel_for_key(name, key) for key in _OWN_KERNEL_KEYS)
+    except (RuntimeError, AttributeError):
+        return False
+
+
+# live tracing
+
+
+def _find_tensor_grad_descriptor() -> Any:
+    """torch's own ``Tensor.grad`` descriptor (defined on the C base class)."""
+    for klass in torch.Tensor.__mro__[1:]:
+        found = klass.__dict__.get("grad")
+        if found is not None and hasattr(found, "__get__") and hasattr(found, "__set__"):
+            return found
+    return None
+
+
+_tensor_grad_descriptor = _find_tensor_grad_descriptor()
+HAS_TENSOR_GRAD_DESCRIPTOR = _tensor_grad_descriptor is not None
+
+CAPABILITIES = (
+    *CAPABILITIES,
+    Capability(
+        "HAS_TENSOR_GRAD_DESCRIPTOR",
+        HAS_TENSOR_GRAD_DESCRIPTOR,
+        "serving h.grad inside `with loss.backward():` blocks of live tracing",
+        "reading or setting .grad inside a backward block raises TraceError",
+    ),
+)
+
+
+def tensor_grad_descriptor() -> Any:
+    """The descriptor behind ``Tensor.grad`` (None if torch moved it)."""
+    return _tensor_grad_descriptor

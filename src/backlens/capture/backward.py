@@ -43,6 +43,9 @@ class CallEntry:
     grad_outputs: tuple | None
     seq_start: int | None = None
     seq_end: int | None = None
+    # Set when the pass closes, by backlens.cost (None: not counted).
+    flops: int | None = None
+    recompute_flops: int | None = None
 
 
 @dataclass(eq=False)
@@ -345,7 +348,8 @@ class BackwardRecorder:
             start_ns=start if self.timing else None,
             end_ns=end,
             grad_inputs=self.store.keep(tuple(grad_inputs), "grad_inputs") if sides & GRAD_INPUT else None,
-            grad_outputs=self.store.keep(tuple(grad_outputs), "grad_outputs") if sides & GRAD_OUTPUT else None,
+            grad_outputs=self.store.keep(self._owned(index, grad_outputs), "grad_outputs")
+            if sides & GRAD_OUTPUT else None,
         )
         if self.detect_nonfinite:
             self._check_finite(index, state, grad_inputs, grad_outputs)
@@ -359,6 +363,13 @@ class BackwardRecorder:
         ordinals.append(call_index)
         state.call_indices.append(call_index)
         return None
+
+    def _owned(self, index: int, grads: tuple) -> tuple:
+        """AccumulateGrad may adopt its incoming gradient as ``param.grad`` and add later
+        passes into it in place; keep a copy so each pass's increment stays as it was."""
+        if self.table.entries[index].type == "AccumulateGrad":
+            return tuple(g.detach().clone() if g is not None else None for g in grads)
+        return tuple(grads)
 
     def _check_finite(self, index: int, state: PassState, grad_inputs: tuple, grad_outputs: tuple) -> None:
         """Stop at the first node turning finite incoming gradients into NaN/Inf.

@@ -15,8 +15,14 @@ from backlens.capture.forward import (
     ForwardRecorder,
     iter_named_tensors,
 )
+from backlens.capture.interventions import ArmedEdits
 from backlens.capture.policy import GradPolicy
 from backlens.capture.store import MemoryStore
+from backlens.capture.unmatched import UnmatchedSelectorWarner, warn_if_no_activation_kept
+from backlens.cost.forward_count import FlopForwardRecorder
+from backlens.cost.journal import CostJournal
+from backlens.cost.observer import FlopObserver
+from backlens.edits import as_interventions
 from backlens.errors import (
     BacklensError,
     BackwardUnavailableError,
@@ -25,6 +31,7 @@ from backlens.errors import (
 )
 from backlens.graph import engine
 from backlens.graph.table import NodeTable, Pairing
+from backlens.io.disk_store import make_store
 from backlens.records.backward import (
     GRAD_FN_COLUMNS,
     CallList,
@@ -77,15 +84,17 @@ def capture(
             code="not_a_module",
             remedy="Wrap the callable in an nn.Module (its forward calls the function) and capture that.",
         )
-    if storage is not None or (intervene not in ((), None, [])):
-        raise BacklensError(
-            "storage= and intervene= are not available in this version of backlens.",
-            code="not_available",
-            remedy="Capture without storage= and intervene=.",
-        )
+    store = make_store(storage)
     grad_policy = GradPolicy(save_grads)
+    armed = ArmedEdits(as_interventions(intervene))
+    armed.check_backward(backward)
     journal = ForwardJournal()
-    recorder = ForwardRecorder(journal, ActivationPolicy(save_activations))
+    # flops=True: the recorder also counts or notes the ops that may carry FLOPs (no dispatch mode).
+    recorder = (FlopForwardRecorder if flops else ForwardRecorder)(
+        journal, ActivationPolicy(save_activations), op_hook=armed.op_hook(journal) if armed.activation else None
+    )
+    if armed.edits_module_outputs:
+        recorder.module_output_hook = armed.module_hook
     params = dict(model.named_parameters())
     for name, param in params.items():
         recorder.register_source(param, "param", name)
@@ -108,6 +117,9 @@ def capture(
         recorder.detach()
     journal.seq_end = _torch.sequence_nr()
     recorder.finish()
+    warn_if_no_activation_kept(save_activations, journal)
+    if armed.any:
+        armed.check_sites(journal.ops, journal.module_calls)
     return Capture(
         model=model,
         output=output,
@@ -121,6 +133,12 @@ def capture(
         flops=flops,
         forward_grad_mode=(grad_enabled, inference_mode),
         detect_nonfinite=detect_nonfinite,
+        store=store,
+        cost=CostJournal(pending_forward=recorder.forward_cost() if flops else None),
+        armed=armed,
+        rerun=(args, kwargs, dict(save_grads=save_grads, save_activations=save_activations, flops=flops,
+                                  timing=timing, backward=backward, detect_nonfinite=detect_nonfinite),
+               intervene),
     )
 
 
@@ -157,12 +175,23 @@ class Capture:
         flops: bool,
         forward_grad_mode: tuple[bool, bool],
         detect_nonfinite: bool = False,
+        cost: CostJournal | None = None,
+        armed: ArmedEdits | None = None,
+        rerun: tuple | None = None,
+        store: Any = None,
     ):
         self.output = output
         self.backward_requested = backward
         self.flops_enabled = flops
         self._journal = journal
-        self._store = MemoryStore()
+        self._model = model
+        self._rerun = rerun
+        self._armed = armed if armed is not None else ArmedEdits([])
+        self._grad_edits_pending = (
+            list(self._armed.gradient_targets(journal.ops, journal.module_calls, self._module_address_of))
+            if self._armed.gradient else []
+        )
+        self._store = store if store is not None else MemoryStore()
         self._closed = False
         self._params = {name: weakref.ref(p) for name, p in params.items()}
         self._source_ids: dict[int, int] = {id(p): i for i, p in enumerate(params.values())}
@@ -208,6 +237,10 @@ class Capture:
         self._backward.detect_nonfinite = detect_nonfinite
         self._backward.nonfinite_error = self._nonfinite_error
         self._backward._preflight = self._refuse_once_only_rerun
+        self._cost = cost if cost is not None else CostJournal()
+        if flops:
+            self._backward.observers.append(FlopObserver(self._backward, self._cost))
+        self._backward.observers.append(UnmatchedSelectorWarner(self._backward))
         if backward and not self.inference_only:
             self._backward.arm()
         else:
@@ -246,7 +279,7 @@ class Capture:
                     num_outputs=entry.num_outputs,
                     inplace=entry.inplace,
                     activation=entry.activation,
-                    forward_flops=None,
+                    forward_flops=self._cost.op_flops(entry.index),
                     _source=self,
                 )
             )
@@ -379,8 +412,42 @@ class Capture:
                 )
             )
 
+        if self._grad_edits_pending:
+            self._arm_grad_edits()
+
+    def _module_address_of(self, op: Any) -> str | None:
+        calls = self._journal.module_calls
+        return calls[op.module_call].address if op.module_call is not None else None
+
+    def _arm_grad_edits(self) -> None:
+        """Put each gradient edit on the pre-hook of the node its site's output came from."""
+        journal = self._journal
+        per_node: dict[int, list] = {}
+        still_pending = []
+        for kind, index, intervention, site in self._grad_edits_pending:
+            if kind == "op":
+                node = self._output_node_of_op.get(index)
+                output_nr = journal.ops[index].output_nr
+                op, module = journal.ops[index].label, self._module_address_of(journal.ops[index])
+            else:
+                node = self._output_node_of_module.get(index)
+                output_nr = journal.module_calls[index].output_nr
+                op, module = None, journal.module_calls[index].address
+            if node is None:
+                still_pending.append((kind, index, intervention, site))
+                continue
+            per_node.setdefault(node, []).append((output_nr, intervention, site, op, module))
+        self._grad_edits_pending = still_pending
+        for node, edits in per_node.items():
+            self._backward.pre_edits[node] = self._armed.grad_edit(edits)
+
     def _on_pass_closed(self, state: PassState, error: BaseException | None) -> BaseException | None:
         state.record._source = self
+        built = self._call_records
+        for i in state.call_indices:  # records read while the pass ran get its FLOPs now
+            if i < len(built):
+                entry = self._backward.calls[i]
+                built[i].flops, built[i].recompute_flops = entry.flops, entry.recompute_flops
         if error is not None:
             return self._translate(state, error)
         run = state.run
@@ -521,6 +588,8 @@ class Capture:
                     grad_outputs=self._store.load(entry.grad_outputs) if entry.grad_outputs is not None else None,
                     start=(start - pass_start) / 1e9 if start is not None else None,
                     duration=(entry.end_ns - start) / 1e9 if start is not None else None,
+                    flops=entry.flops,
+                    recompute_flops=entry.recompute_flops,
                 )
             )
         return records
@@ -624,6 +693,31 @@ class Capture:
             engine.set_trigger_override(None)
             self._backward.use_policy_for_next_pass(None)
 
+    @property
+    def forward_edits(self) -> list:
+        """Every activation edit applied in this capture's forward, with norms before and after."""
+        return list(self._armed.forward_applications)
+
+    def do(self, site: Any, edit: Any, inputs: Any = None, loss: Any = None) -> Capture:
+        """Rerun the forward with ``edit`` armed at ``site`` (and the backward when ``loss`` is given).
+
+        Returns a new capture; this one is untouched. ``inputs`` replaces the
+        original positional inputs (a tuple, or one tensor); ``loss`` is
+        ``lambda cap: tensor``.
+        """
+        from backlens.edits import as_interventions, when
+
+        if self._rerun is None or self._model is None:
+            raise CaptureClosedError("This capture cannot rerun its forward (closed or loaded from disk).")
+        args, kwargs, options, intervene = self._rerun
+        if inputs is not None:
+            args = inputs if isinstance(inputs, tuple) else (inputs,)
+        armed = [*as_interventions(intervene), when(site, edit)]
+        new = capture(self._model, *args, intervene=armed, **options, **kwargs)
+        if loss is not None:
+            new.backward(loss(new))
+        return new
+
     def _check_backward_available(self) -> None:
         if self._closed:
             raise CaptureClosedError(
@@ -663,18 +757,35 @@ class Capture:
         """Stop recording later passes; keep every record."""
         self._backward.remove_hooks()
 
+    def save(self, path: Any = None, *, overwrite: bool = False) -> Any:
+        """Write this capture as a bundle directory (API.md §6, docs/bundles.md); returns its path."""
+        from backlens.io.bundle import save
+
+        return save(self, path, overwrite=overwrite)
+
     def close(self) -> None:
-        """Remove every hook and drop every autograd node this capture holds."""
+        """Remove every hook and drop every autograd node this capture holds.
+
+        A ``storage=bl.to_disk(path)`` capture then writes its bundle manifest.
+        """
         if self._closed:
             return
         self._backward.close_stale()
         self._backward.remove_hooks()
         self._table.clear()
+        self._model = None
+        self._rerun = None
         for op in self._journal.ops:
             op.output_node = None
         for call in self._journal.module_calls:
             call.output_node = None
         self._closed = True
+        finish = getattr(self._store, "finish", None)
+        try:
+            if finish is not None:
+                finish(self)  # to_disk: write the bundle manifest (records outlive close)
+        finally:
+            self._store.close()
 
     def __enter__(self) -> Capture:
         return self

@@ -152,8 +152,10 @@ class ForwardJournal:
         """
         self.op_for_sequence_nr(seq)  # refreshes the bracket index
         pos = bisect_right(self._op_seq_starts, seq + 1) - 1
-        if pos >= 0 and self.raw_ops[pos][2] == self.raw_ops[pos][3] == seq + 1:
-            return self.op(pos)
+        while pos >= 0 and self.raw_ops[pos][2] == seq + 1:
+            if self.raw_ops[pos][3] == seq + 1:
+                return self.op(pos)
+            pos -= 1  # an op after the Function that made nodes of its own
         return None
 
     def module_call_for_sequence_nr(self, seq: int) -> ModuleCallEntry | None:
@@ -219,6 +221,8 @@ class ForwardRecorder(TorchFunctionMode):
         self._addresses: dict[int, str] = {}
         self._handles: list[Any] = []
         self._raw = journal.raw_ops
+        # May replace a module call's output (activation edits on module addresses).
+        self.module_output_hook: Callable[[ModuleCallEntry, Any], Any] | None = None
 
     # -- sources ---------------------------------------------------------
     def register_source(self, tensor: Tensor, kind: str, name: str) -> None:
@@ -268,6 +272,11 @@ class ForwardRecorder(TorchFunctionMode):
         if not stack or id(module) not in self._addresses:
             return None
         call = self.journal.module_calls[stack.pop()]
+        replaced = None
+        if self.module_output_hook is not None:
+            edited = self.module_output_hook(call, output)
+            if edited is not output:
+                output = replaced = edited
         call.seq_end = _sequence_nr()
         call.op_end = len(self._raw)
         first = output if isinstance(output, Tensor) else _first_tensor(output)
@@ -277,7 +286,7 @@ class ForwardRecorder(TorchFunctionMode):
             if node is not None:
                 call.output_node = node
                 call.output_nr = first.output_nr
-        return None
+        return replaced
 
     # -- ops (hot path) ----------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):

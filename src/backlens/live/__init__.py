@@ -1,0 +1,19 @@
+"""Live tracing: code in a ``with`` block that runs during the real forward and backward.
+
+``bl.wrap(model)`` gives a :class:`Lens`; ``with lens.trace(x):`` runs its
+body in step with the model; ``with loss.backward():`` runs its body in step
+with the autograd engine, where ``h.grad`` is the gradient as it arrives.
+Importing this package patches ``Tensor.backward`` (a plain call keeps its
+stock behaviour) and adds ``Tensor.save``.
+"""
+
+from backlens.live.backward import install_backward
+from backlens.live.batching import Batcher
+from backlens.live.lens import Lens, wrap
+from backlens.live.save import install_tensor_save, save
+from backlens.live.tracer import Tracer
+
+install_backward()
+install_tensor_save()
+
+__all__ = ["Batcher", "Lens", "Tracer", "save", "wrap"]

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from backlens.live.backward import BackwardRun
     from backlens.live.forward import ForwardRun, Invoke
     from backlens.live.mediator import Mediator
+    from backlens.live.tracer import Tracer
 
 _local = threading.local()
 
@@ -35,6 +36,7 @@ class Block:
     """
 
     kind: str
+    tracer: Tracer | None = None
     forward: ForwardRun | None = None
     invoke: Invoke | None = None
     backward: BackwardRun | None = None
@@ -56,6 +58,13 @@ def current_block() -> Block | None:
     return getattr(_local, "block", None)
 
 
+def set_block(block: Block | None) -> Block | None:
+    """Make ``block`` the calling thread's current block; returns the previous one."""
+    previous = getattr(_local, "block", None)
+    _local.block = block
+    return previous
+
+
 @contextmanager
 def running(block: Block) -> Iterator[Block]:
     """Make ``block`` the calling thread's current block for the duration."""
@@ -67,10 +76,15 @@ def running(block: Block) -> Iterator[Block]:
         _local.block = previous
 
 
-def saved_names(final_locals: dict[str, Any], block: Block) -> dict[str, Any]:
-    """The names of a finished body whose values were saved in ``block``."""
+def saved_names(final_locals: dict[str, Any], block: Block, assigned: frozenset[str]) -> dict[str, Any]:
+    """The names the body assigned whose final values were saved in ``block``.
+
+    Saving marks an object, not a name: every name the body bound to a saved
+    object leaves with it. Names the body only read are skipped: they still
+    hold the caller's own objects.
+    """
     return {
         name: value
         for name, value in final_locals.items()
-        if not name.startswith("__backlens_") and block.is_saved(value)
+        if name in assigned and block.is_saved(value)
     }

@@ -7,7 +7,7 @@ saved there too, so they keep travelling outwards through nested blocks).
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 

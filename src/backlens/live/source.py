@@ -20,6 +20,7 @@ import ast
 import ctypes
 import inspect
 import linecache
+import os
 import sys
 import types
 from collections.abc import Callable
@@ -46,6 +47,114 @@ class SkipBody(BaseException):
 
 
 @dataclass(frozen=True)
+class FirstRequest:
+    """``name.step.step...attr``: a chain of attribute and constant-index steps."""
+
+    name: str
+    steps: tuple[tuple[str, Any], ...]
+    attr: str
+
+
+_REQUEST_ATTRS = ("output", "input", "inputs", "grad")
+
+
+def _first_request(stmt: ast.stmt) -> FirstRequest | None:
+    """The request evaluated first by ``stmt``, when nothing runs before it.
+
+    Python evaluates a call's function before its arguments, an attribute's
+    object before the attribute, an operator's left operand first, a tuple's
+    first element first, and an assignment's value before its targets;
+    following those leftmost parts down from the statement reaches the first
+    thing it evaluates.
+    """
+    if isinstance(stmt, (ast.Assign, ast.Expr)):
+        node: ast.expr | None = stmt.value
+    elif isinstance(stmt, ast.AnnAssign):
+        node = stmt.value
+    else:
+        return None
+    while node is not None:
+        if isinstance(node, ast.Attribute) and node.attr in _REQUEST_ATTRS:
+            chain = _chain(node.value)
+            if chain is not None:
+                return FirstRequest(chain[0], chain[1], node.attr)
+        if isinstance(node, ast.Call):
+            node = node.func
+        elif isinstance(node, (ast.Attribute, ast.Subscript, ast.Starred)):
+            node = node.value
+        elif isinstance(node, (ast.BinOp, ast.Compare)):
+            node = node.left
+        elif isinstance(node, ast.UnaryOp):
+            node = node.operand
+        elif isinstance(node, ast.BoolOp):
+            node = node.values[0]
+        elif isinstance(node, (ast.Tuple, ast.List)) and node.elts:
+            node = node.elts[0]
+        else:
+            return None
+    return None
+
+
+def _leading_requests(body: list[ast.stmt], grad: bool) -> tuple[FirstRequest, ...]:
+    """Requests of the leading statements that only bind a value, then one more.
+
+    ``h = lens.fc1.output`` (optionally ``.save()``) binds a local name and
+    does nothing the model or another invoke could see, so running it later,
+    together with the statement after it, is indistinguishable from running
+    it when the value arrives. ``grad`` selects ``g = h.grad`` statements
+    instead (backward blocks).
+    """
+    found: list[FirstRequest] = []
+    bound: set[str] = set()
+    for stmt in body[:16]:
+        request = _first_request(stmt)
+        if request is None or (request.attr == "grad") != grad or (grad and request.steps):
+            break
+        if request.name in bound:
+            break  # resolved before the body runs, it must not depend on what the body binds
+        found.append(request)
+        if not _binds_only(stmt, grad):
+            break
+        bound.add(stmt.targets[0].id)  # type: ignore[attr-defined]
+    return tuple(found)
+
+
+def _reads_only(body: list[ast.stmt], grad: bool) -> bool:
+    statements = [stmt for stmt in body if not _is_noop(stmt)]
+    return 0 < len(statements) <= 16 and all(_binds_only(stmt, grad) for stmt in statements)
+
+
+def _binds_only(stmt: ast.stmt, grad: bool) -> bool:
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+        return False
+    value = stmt.value
+    if isinstance(value, ast.Call) and not value.args and not value.keywords:
+        func = value.func
+        if isinstance(func, ast.Attribute) and func.attr == "save":
+            value = func.value
+    if not isinstance(value, ast.Attribute):
+        return False
+    if grad:
+        return value.attr == "grad" and isinstance(value.value, ast.Name)
+    return value.attr in ("output", "input", "inputs") and _chain(value.value) is not None
+
+
+def _chain(node: ast.expr) -> tuple[str, tuple[tuple[str, Any], ...]] | None:
+    steps: list[tuple[str, Any]] = []
+    while True:
+        if isinstance(node, ast.Name):
+            return node.id, tuple(reversed(steps))
+        if isinstance(node, ast.Attribute):
+            steps.append(("attr", node.attr))
+            node = node.value
+        elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+            steps.append(("item", node.slice.value))
+            node = node.value
+        else:
+            return None
+
+
+@dataclass(frozen=True)
 class BlockSource:
     """A ``with`` statement found in the caller's source."""
 
@@ -53,13 +162,37 @@ class BlockSource:
     with_line: int
     first_line: int
     last_line: int
+    # The first line where skipping may raise: CPython leaves a leading `pass`
+    # (a NOP) outside the with's exception range, so an exception raised there
+    # would escape __exit__. None when every statement is a no-op.
+    skip_line: int | None
     as_name: str | None
-    names: frozenset[str]
+    # The requests of the body's leading statements, when all but the last
+    # only bind a requested value to a name (`h = lens.fc1.output.save()`);
+    # `leading_grads` the same for `g = h.grad.save()` in a backward block.
+    leading_requests: tuple[FirstRequest, ...]
+    leading_grads: tuple[FirstRequest, ...]
+    # True when every statement is one of those bindings: nothing else runs.
+    reads_only: bool
+    grad_reads_only: bool
+    names: tuple[str, ...]  # sorted, so a namespace's names come out in one order
+    # Names the body binds in its own scope (what can carry a saved value out).
+    assigned: frozenset[str]
     body: tuple[ast.stmt, ...]
 
     @property
     def where(self) -> str:
-        return f"{self.filename}:{self.with_line}"
+        """``file:line`` of the ``with``, relative to the working directory when below it."""
+        return where(self.filename, self.with_line)
+
+
+def where(filename: str, line: int) -> str:
+    """``file:line`` for messages, short when the file is below the working directory."""
+    try:
+        rel = os.path.relpath(filename)
+    except ValueError:
+        rel = filename
+    return f"{filename if rel.startswith('..') else rel}:{line}"
 
 
 @dataclass
@@ -102,11 +235,13 @@ def _index(filename: str, lines: list[str], what: str) -> _FileIndex:
     headers: dict[int, list[ast.With]] = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.With) and node.body:
-            for line in range(node.lineno, node.body[0].lineno):
+            # (a body on the `with` line still gets its header line, to be refused)
+            for line in range(node.lineno, max(node.body[0].lineno, node.lineno + 1)):
                 headers.setdefault(line, []).append(node)
     index = _FileIndex(lines, headers)
     _files[filename] = index
-    _blocks.clear() if len(_blocks) > 4096 else None
+    if len(_blocks) > 4096:
+        _blocks.clear()
     return index
 
 
@@ -132,7 +267,7 @@ def find_block(frame: types.FrameType, what: str) -> BlockSource:
         )
     # Nested headers cannot share a line except in `with a, b:` (one node), so
     # the latest-starting candidate is the innermost statement.
-    node = max(candidates, key=lambda n: (n.lineno, n.col_offset))
+    node = candidates[0] if len(candidates) == 1 else max(candidates, key=lambda n: (n.lineno, n.col_offset))
     key = (filename, node.lineno, node.col_offset)
     cached = _blocks.get(key)
     if cached is not None and cached.body and cached.body[0] is node.body[0]:
@@ -166,15 +301,51 @@ def _describe(node: ast.With, filename: str, what: str) -> BlockSource:
             elif isinstance(sub, (ast.Global, ast.Nonlocal)):
                 declared.update(sub.names)
     last = max((stmt.end_lineno or stmt.lineno) for stmt in node.body)
+    effective = [stmt for stmt in node.body if not _is_noop(stmt)]
     return BlockSource(
         filename=filename,
         with_line=node.lineno,
         first_line=first,
         last_line=last,
+        skip_line=effective[0].lineno if effective else None,
+        leading_requests=_leading_requests(node.body, grad=False),
+        leading_grads=_leading_requests(node.body, grad=True),
+        reads_only=_reads_only(node.body, grad=False),
+        grad_reads_only=_reads_only(node.body, grad=True),
         as_name=as_name,
-        names=frozenset(used - declared),
+        names=tuple(sorted(used - declared)),
+        assigned=frozenset(_assigned(node.body) - declared),
         body=tuple(node.body),
     )
+
+
+def _assigned(body: list[ast.stmt]) -> set[str]:
+    """Names bound in the body's own scope (not inside functions, classes or comprehensions)."""
+    found: set[str] = set()
+    stack: list[ast.AST] = list(body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found.add(node.name)
+            continue
+        if isinstance(node, (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+            continue
+        if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            found.add(node.id)
+        elif isinstance(node, ast.NamedExpr) and isinstance(node.target, ast.Name):
+            found.add(node.target.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            found.add(node.name)
+        elif isinstance(node, (ast.MatchAs, ast.MatchStar)) and node.name:
+            found.add(node.name)
+        stack.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def _is_noop(stmt: ast.stmt) -> bool:
+    return isinstance(stmt, ast.Pass) or (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant))
 
 
 def _reject_escapes(stmt: ast.stmt, filename: str, what: str) -> None:
@@ -208,7 +379,7 @@ def compile_body(
     their original line numbers. Globals are the caller's real globals.
     """
     caller_locals = frame.f_locals
-    present = tuple(sorted(name for name in block.names if name in caller_locals))
+    present = tuple(name for name in block.names if name in caller_locals)
     namespace = {name: caller_locals[name] for name in present}
     key = (block.filename, block.with_line, block.first_line, id(block.body[0]), present, frame.f_code.co_name)
     code = _codes.get(key)
@@ -275,19 +446,22 @@ class Skipper:
     ``install`` sets a trace function on the caller's frame that raises
     :class:`SkipBody` when the first body line is about to run. CPython drops
     the thread's trace function when one raises, so ``restore`` puts back any
-    tracer (a debugger, coverage) that was there before.
+    tracer (a debugger, coverage) that was there before. A body of no-op
+    statements only (``pass``) needs no skipping: it may run as it is.
     """
 
-    def __init__(self, frame: types.FrameType, first_line: int):
+    def __init__(self, frame: types.FrameType, first_line: int | None):
         self.frame = frame
         self.first_line = first_line
-        self.fired = False
+        self.fired = first_line is None
         self._active = False
         self._token = SkipBody()
         self._prev_global: Any = None
         self._prev_local: Any = None
 
     def install(self) -> None:
+        if self.first_line is None:
+            return
         self._prev_global = sys.gettrace()
         self._prev_local = self.frame.f_trace
         self.frame.f_trace = self._trace
@@ -296,7 +470,7 @@ class Skipper:
         self._active = True
 
     def _trace(self, frame: types.FrameType, event: str, arg: Any) -> Any:
-        if event == "line" and frame is self.frame and frame.f_lineno >= self.first_line:
+        if event == "line" and frame is self.frame and frame.f_lineno >= self.first_line:  # type: ignore[operator]
             self.fired = True
             raise self._token
         return self._trace
@@ -311,6 +485,10 @@ class Skipper:
         if sys.gettrace() is not self._prev_global:
             sys.settrace(self._prev_global)
         self.frame.f_trace = self._prev_local
+        # The token's traceback holds the caller's frame: drop it, so no cycle
+        # is left for the garbage collector.
+        self._token.__traceback__ = None
+        self._token.__context__ = None
 
 
 def _untraced(frame: types.FrameType, event: str, arg: Any) -> None:

@@ -127,6 +127,7 @@ class BackwardPass:
     duration: float | None = None
     orders: list[int] = field(default_factory=list)
     order_coverage: float | None = None
+    edits: list[Any] = field(default_factory=list)
     _source: Any = field(repr=False, default=None)
 
     @property
@@ -145,6 +146,7 @@ class BackwardPass:
             "save_grads_policy": repr(self.save_grads_policy),
             "duration": self.duration,
             "num_calls": len(self.calls),
+            "num_edits": len(self.edits),
             "status": self.status,
             "error": None if self.error is None else str(self.error).splitlines()[0],
         }
@@ -152,7 +154,7 @@ class BackwardPass:
 
 PASS_COLUMNS = [
     "number", "trigger", "call_site", "retain_graph", "create_graph", "orders", "order_coverage",
-    "save_grads_policy", "duration", "num_calls", "status", "error",
+    "save_grads_policy", "duration", "num_calls", "num_edits", "status", "error",
 ]
 
 

@@ -1,5 +1,7 @@
-"""Reports built from records: doctor (and, as they land, backward_status, cost_tree)."""
+"""Reports built from records: doctor, backward_status, cost_tree."""
 
+from backlens.report.backward_status import backward_status
+from backlens.report.cost_tree import cost_tree
 from backlens.report.doctor import doctor
 
-__all__ = ["doctor"]
+__all__ = ["backward_status", "cost_tree", "doctor"]

@@ -1,0 +1,95 @@
+"""The ``selector_matched_nothing`` warning: a save policy never silently saves nothing.
+
+* Backward: :class:`UnmatchedSelectorWarner` is a pass observer. When a pass
+  closes without error and its ``save_grads`` selector saved no gradient in
+  that pass, it warns once for the pass. A pass that the selector's
+  ``in_pass`` terms rule out (``bl.func("relu") & bl.in_pass(2)`` during pass
+  1) is not warned about: saving nothing there is what was asked.
+* Forward: :func:`warn_if_no_activation_kept` warns after the forward when a
+  ``save_activations`` selector kept no op.
+
+Both run once per pass or forward, never per node fire.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from typing import Any
+
+import torch
+
+from backlens.errors import BacklensWarning
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+_CODE = "selector_matched_nothing"
+
+
+class UnmatchedSelectorWarner:
+    """Pass observer for a capture's :class:`BackwardRecorder` (see ``observers``)."""
+
+    def __init__(self, recorder: Any):
+        self._recorder = recorder
+
+    def on_pass_open(self, state: Any) -> None:
+        return None
+
+    def on_pass_close(self, state: Any, error: BaseException | None) -> None:
+        spec = state.policy.spec
+        if error is not None or isinstance(spec, bool) or spec is None:
+            return
+        number = state.record.number
+        scope = getattr(spec, "pass_scope", None)
+        if scope is not None and scope(number) is False:
+            return
+        calls = self._recorder.calls
+        fired = [calls[i] for i in state.call_indices]
+        if any(c.grad_inputs is not None or c.grad_outputs is not None for c in fired):
+            return
+        entries = self._recorder.table.entries
+        types = sorted({entries[c.node].type for c in fired})
+        seen = f" Node types that ran: {_short(types)}." if types else " No node of this capture ran."
+        _warn(
+            f"save_grads={spec!r} matched nothing in backward pass {number} "
+            f"({state.record.trigger}): no gradient was saved.{seen} "
+            "Check the names (cap.ops.labels(), cap.grad_fns.to_pandas()) or widen the selector.",
+        )
+
+
+def warn_if_no_activation_kept(spec: Any, journal: Any) -> None:
+    """After the forward: warn when a ``save_activations`` selector kept no op."""
+    if isinstance(spec, bool) or spec is None:
+        return
+    ops = journal.ops
+    if any(op.activation is not None for op in ops):
+        return
+    funcs = sorted({op.name for op in ops})
+    seen = f" Op functions that ran: {_short(funcs)}." if funcs else " The forward ran no op."
+    _warn(
+        f"save_activations={spec!r} matched no op in the forward: no activation was kept.{seen} "
+        "Check the names (cap.ops.labels()) or widen the selector.",
+    )
+
+
+def _short(names: list[str], limit: int = 12) -> str:
+    more = f", ... ({len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def _warn(message: str) -> None:
+    warnings.warn(BacklensWarning(message, code=_CODE), stacklevel=_user_stacklevel())
+
+
+def _user_stacklevel() -> int:
+    """The stacklevel of the innermost frame outside backlens and torch (the user's line)."""
+    frame = sys._getframe(2)  # the caller of _warn
+    level = 2
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith((_PACKAGE_DIR, _TORCH_DIR)) and not filename.startswith("<frozen"):
+            return level
+        frame = frame.f_back
+        level += 1
+    return 2

@@ -1,0 +1,60 @@
+"""The backward ATen census: every ATen call of one explicit backward run.
+
+A :class:`BackwardCensus` is a counting dispatch mode entered around one engine
+run (through the backward recorder's ``run_context``), never outside it. For
+each ATen call it reads the node the engine is executing; calls carrying FLOPs
+are journalled with that node, calls under no node (the seed gradient) are
+journalled by name whatever their FLOPs. Nothing is mapped to records here:
+that happens once, when the pass closes (:mod:`backlens.cost.settle`).
+
+Hot path: one dict lookup for the plan and one call reading the node per ATen
+call; formulas run only for matmul, convolution and attention.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from backlens import _torch
+from backlens.cost.checkpoint import recompute_probe
+from backlens.cost.counting import CountingMode
+from backlens.cost.formulas import op_name
+
+_current_node = _torch.current_autograd_node_function()
+
+
+class BackwardCensus(CountingMode):
+    """Journal of one backward run's ATen calls.
+
+    ``charged``: ``(node, func, flops, recomputed)`` per call with FLOPs under a
+    node (``recomputed`` is None when the pass cannot tell). ``unattributed``:
+    ``(func, flops)`` per call under no node. ``formula_errors``: formulas that
+    raised (their calls are not counted, so the pass is not either).
+    """
+
+    def __init__(self, create_graph: bool):
+        super().__init__()
+        self.aten_calls = 0
+        self.charged: list[tuple[Any, Any, int, bool | None]] = []
+        self.unattributed: list[tuple[Any, int]] = []
+        self.formula_errors: list[str] = []
+        self._recomputing = recompute_probe(create_graph)
+        self.recompute_known = self._recomputing is not None
+
+    def seen(self, func: Any, counter: Any, args: tuple, kwargs: dict | None, out: Any) -> None:
+        self.aten_calls += 1
+        node = _current_node()
+        if counter is None:
+            if node is None:
+                self.unattributed.append((func, 0))
+            return
+        try:
+            flops = counter(args, kwargs, out)
+        except Exception as exc:  # noqa: BLE001 - a formula bug must not break the user's backward
+            self.formula_errors.append(f"{op_name(func)}: {type(exc).__name__}: {exc}")
+            return
+        if node is None:
+            self.unattributed.append((func, flops))
+        elif flops:
+            probe = self._recomputing
+            self.charged.append((node, func, flops, probe() if probe is not None else None))

@@ -1,0 +1,39 @@
+"""The dispatch mode both FLOP counters build on: run each ATen call, then report it.
+
+A :class:`CountingMode` looks up its plan for each ATen overload
+(:func:`backlens.cost.formulas.plan_for`), lets an op that only decomposes run
+its decomposition through the mode (so the kernels inside are seen), runs
+everything else unchanged, and hands ``(func, counter, args, kwargs, out)`` to
+:meth:`CountingMode.seen`. ``counter`` is ``None`` for calls with no formula.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from backlens.cost.formulas import DECOMPOSE, plan_for, refresh_plans
+
+
+class CountingMode(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self._plans = refresh_plans()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        plan = self._plans.get(func, self)
+        if plan is self:
+            plan = plan_for(func)
+        if plan is DECOMPOSE:
+            with self:  # the inner calls come back through this mode
+                out = func.decompose(*args, **(kwargs or {}))
+            if out is not NotImplemented:
+                return out
+            plan = None
+        out = func(*args, **kwargs) if kwargs else func(*args)
+        self.seen(func, plan, args, kwargs, out)
+        return out
+
+    def seen(self, func: Any, counter: Any, args: tuple, kwargs: dict | None, out: Any) -> None:
+        raise NotImplementedError

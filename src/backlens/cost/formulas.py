@@ -1,0 +1,166 @@
+"""FLOP formulas: ``torch.utils.flop_counter``'s registry, plus the ops it misses.
+
+Counts follow ``FlopCounterMode``'s conventions (2 x multiply-accumulates, only
+matmul, convolution and attention carry FLOPs) so a backlens count can be
+checked against it. The registry has no entry for the attention kernels CPU
+``scaled_dot_product_attention`` dispatches to (nor the ``overrideable`` ones of
+out-of-tree backends); :data:`EXTRA_FORMULAS` adds them, in the registry's
+shape-level form, so ``FlopCounterMode(custom_mapping=EXTRA_FORMULAS)`` counts
+exactly what backlens counts.
+
+:func:`plan_for` decides once per ATen overload what a counting mode does with
+it: evaluate a formula, let a composite op with no kernel of its own decompose
+(as ``FlopCounterMode`` does, so the matmuls inside are seen) or just run it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils.flop_counter import (
+    flop_registry,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+    shape_wrapper,
+)
+
+from backlens import _torch
+
+__all__ = ["DECOMPOSE", "EXTRA_FORMULAS", "op_name", "plan_for"]
+
+aten = torch.ops.aten
+Tensor = torch.Tensor
+
+
+def cpu_attention_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    """Fused attention forward (CPU flash kernel): the registry's sdpa count."""
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def cpu_attention_backward_flop(grad_out_shape, query_shape, key_shape, value_shape, *args,
+                                out_shape=None, **kwargs) -> int:
+    """Fused attention backward (CPU flash kernel): the registry's sdpa backward count."""
+    return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+def _extra_formulas() -> dict[Any, Callable[..., int]]:
+    wanted = {
+        "_scaled_dot_product_flash_attention_for_cpu": cpu_attention_flop,
+        "_scaled_dot_product_flash_attention_for_cpu_backward": cpu_attention_backward_flop,
+        "_scaled_dot_product_fused_attention_overrideable": cpu_attention_flop,
+        "_scaled_dot_product_fused_attention_overrideable_backward": cpu_attention_backward_flop,
+    }
+    found = {}
+    for name, formula in wanted.items():
+        packet = getattr(aten, name, None)  # older torch builds lack some of these
+        if packet is not None:
+            found[packet] = formula
+    return found
+
+
+#: Shape-level formulas for ops ``flop_registry`` misses; pass to
+#: ``FlopCounterMode(custom_mapping=EXTRA_FORMULAS)`` for a matching reference.
+EXTRA_FORMULAS: dict[Any, Callable[..., int]] = _extra_formulas()
+_EXTRA_WRAPPED = {packet: shape_wrapper(formula) for packet, formula in EXTRA_FORMULAS.items()}
+
+#: Plan: let the op decompose under the counting mode (its inner calls are counted).
+DECOMPOSE = object()
+
+# Metadata queries FlopCounterMode never decomposes or counts.
+_NEVER_DECOMPOSE = {
+    getattr(getattr(aten, name, None), "default", None)
+    for name in (
+        "sym_is_contiguous", "is_contiguous", "is_strides_like_format", "is_non_overlapping_and_dense",
+        "size", "sym_size", "stride", "sym_stride", "storage_offset", "sym_storage_offset",
+        "numel", "sym_numel", "dim",
+    )
+} | {aten.is_contiguous.memory_format, torch.ops.prim.layout.default, torch.ops.prim.device.default}
+
+_plans: dict[Any, Any] = {}
+_registry_size = -1
+
+
+def refresh_plans() -> dict[Any, Any]:
+    """The plan cache, emptied when someone registered a new formula since last time.
+
+    Called once per counted forward or backward, not per ATen call.
+    """
+    global _registry_size
+    if len(flop_registry) != _registry_size:
+        _plans.clear()
+        _registry_size = len(flop_registry)
+    return _plans
+
+
+def plan_for(func: Any) -> Any:
+    """What to do with one ATen overload: a counter, :data:`DECOMPOSE` or ``None``.
+
+    Like ``FlopCounterMode``, an overload that has only a CompositeImplicitAutograd
+    decomposition decomposes (its inner calls are counted); otherwise the
+    packet's formula counts it; an overload with neither carries no FLOPs.
+    Unlike ``FlopCounterMode``, an overload with a kernel of its own (e.g.
+    ``silu_backward`` on CPU) is never decomposed: running the decomposition
+    would change the user's numerics, and gradients must equal a stock run's.
+    A counter is called as ``counter(args, kwargs, out) -> int``.
+    """
+    plan = _plans.get(func, _plans)
+    if plan is not _plans:
+        return plan
+    packet = getattr(func, "_overloadpacket", None)  # ATen overloads only; HOPs carry none
+    if packet is None or func in _NEVER_DECOMPOSE:
+        plan = None
+    elif _torch.only_decomposes(func):
+        plan = DECOMPOSE
+    else:
+        formula = flop_registry.get(packet) or _EXTRA_WRAPPED.get(packet)
+        plan = _counter(formula) if formula is not None else None
+    _plans[func] = plan
+    return plan
+
+
+def _counter(formula: Callable[..., int]) -> Callable[[tuple, dict | None, Any], int]:
+    """A caller of one registry formula that skips its pytree walk where it can.
+
+    The registry wraps shape-level formulas in ``shape_wrapper``, which maps
+    every tensor of args, kwargs and output to its shape with a pytree walk;
+    for the flat arguments ATen passes here a list comprehension gives the
+    same shapes at a fraction of the cost. Nested tensor lists and raw
+    formulas (``get_raw``) take the registry's own path.
+    """
+    shape_level = getattr(formula, "__wrapped__", None)
+    if shape_level is None:
+        def raw(args: tuple, kwargs: dict | None, out: Any) -> int:
+            return formula(*args, **(kwargs or {}), out_val=out)
+
+        return raw
+
+    def count(args: tuple, kwargs: dict | None, out: Any) -> int:
+        shapes = []
+        for arg in args:
+            if isinstance(arg, Tensor):
+                shapes.append(arg.shape)
+            elif isinstance(arg, (list, tuple)) and any(isinstance(item, Tensor) for item in arg):
+                return formula(*args, **(kwargs or {}), out_val=out)
+            else:
+                shapes.append(arg)
+        if kwargs:
+            kwargs = {k: v.shape if isinstance(v, Tensor) else v for k, v in kwargs.items()}
+        else:
+            kwargs = {}
+        if isinstance(out, Tensor):
+            out_shape = out.shape
+        elif isinstance(out, (tuple, list)):
+            out_shape = tuple(o.shape if isinstance(o, Tensor) else o for o in out)
+        else:
+            out_shape = out
+        return shape_level(*shapes, out_shape=out_shape, **kwargs)
+
+    return count
+
+
+def op_name(func: Any) -> str:
+    """``aten.mm`` for ``aten.mm.default``: the name reports use for an ATen call."""
+    packet = getattr(func, "_overloadpacket", None)
+    return str(packet) if packet is not None else str(func)

@@ -1,0 +1,85 @@
+"""Forward FLOPs of the commonest FLOP-bearing ops, straight from their shapes.
+
+A meta replay (see :mod:`backlens.cost.forward_count`) is exact for any op but
+costs from 50 µs to over a millisecond (``addmm`` and attention run Python
+meta decompositions). For ``linear``, ``addmm``, ``mm``, ``bmm``, ``baddbmm``
+and ``scaled_dot_product_attention`` the ATen kernel each runs is known, and
+so is its count: the registry formula of that kernel, on the shapes it would
+see (``linear`` folds leading dimensions into one matmul row count; attention
+counts as ``sdpa_flop_count`` whichever fused or math kernel runs). Anything
+unusual (shapes a formula rejects) raises, and the op is replayed instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from math import prod
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import flop_registry, sdpa_flop_count
+
+aten = torch.ops.aten
+_mm = flop_registry[aten.mm].__wrapped__
+_bmm = flop_registry[aten.bmm].__wrapped__
+_addmm = flop_registry[aten.addmm].__wrapped__
+_baddbmm = flop_registry[aten.baddbmm].__wrapped__
+
+
+def _arg(args: tuple, kwargs: dict | None, position: int, name: str) -> Any:
+    if len(args) > position:
+        return args[position]
+    if kwargs and name in kwargs:
+        return kwargs[name]
+    raise TypeError(f"missing argument {name}")
+
+
+def _linear(args: tuple, kwargs: dict | None, out: Any) -> int:
+    x, weight = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "weight")
+    if weight.dim() != 2 or x.dim() == 0:
+        raise ValueError("linear with an unusual weight or input")
+    features = x.shape[-1]
+    return _mm((prod(x.shape) // features if features else 0, features), (features, weight.shape[0]))
+
+
+def _three(formula: Callable[..., int], names: tuple[str, str, str]) -> Callable[[tuple, dict | None, Any], int]:
+    def count(args: tuple, kwargs: dict | None, out: Any) -> int:
+        shapes = [_arg(args, kwargs, i, name).shape for i, name in enumerate(names)]
+        return formula(*shapes, out_shape=out.shape)
+
+    return count
+
+
+def _two(formula: Callable[..., int]) -> Callable[[tuple, dict | None, Any], int]:
+    def count(args: tuple, kwargs: dict | None, out: Any) -> int:
+        first = _arg(args, kwargs, 0, "input")
+        second = _arg(args, kwargs, 1, "mat2")
+        return formula(first.shape, second.shape, out_shape=out.shape)
+
+    return count
+
+
+def _attention(args: tuple, kwargs: dict | None, out: Any) -> int:
+    query, key, value = (_arg(args, kwargs, i, name) for i, name in enumerate(("query", "key", "value")))
+    shapes = [tuple(t.shape) for t in (query, key, value)]
+    if all(len(s) == 3 for s in shapes):
+        shapes = [(1, *s) for s in shapes]
+    if any(len(s) != 4 for s in shapes):
+        raise ValueError("attention with other than 3 or 4 dimensions")
+    return sdpa_flop_count(*shapes)  # asserts the shapes fit a fused kernel; else: replay
+
+
+#: torch-level function -> ``count(args, kwargs, out) -> int`` (raises when unsure).
+SHAPE_COUNTS: dict[Any, Callable[[tuple, dict | None, Any], int]] = {
+    F.linear: _linear,
+    torch.addmm: _three(_addmm, ("input", "mat1", "mat2")),
+    torch.Tensor.addmm: _three(_addmm, ("input", "mat1", "mat2")),
+    torch.baddbmm: _three(_baddbmm, ("input", "batch1", "batch2")),
+    torch.Tensor.baddbmm: _three(_baddbmm, ("input", "batch1", "batch2")),
+    torch.mm: _two(_mm),
+    torch.Tensor.mm: _two(_mm),
+    torch.bmm: _two(_bmm),
+    torch.Tensor.bmm: _two(_bmm),
+    F.scaled_dot_product_attention: _attention,
+}

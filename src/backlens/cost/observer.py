@@ -1,0 +1,49 @@
+"""Wires FLOP counting into a capture's backward recorder (one of its observers).
+
+For each explicit engine run over the capture's graph the recorder asks
+:meth:`FlopObserver.run_context` for a context to hold open around the real
+engine run: a fresh :class:`BackwardCensus`. When the pass closes the census
+is settled onto the pass's call entries and the pass dict is appended to the
+capture's :class:`CostJournal`. Implicit runs never get a census: their pass
+dict says so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from backlens.cost.census import BackwardCensus
+from backlens.cost.journal import CostJournal
+from backlens.cost.settle import no_count_reason, settle, uncounted
+
+
+class FlopObserver:
+    """Counts backward FLOPs of every explicit pass of one capture."""
+
+    def __init__(self, recorder: Any, journal: CostJournal):
+        self._recorder = recorder
+        self._journal = journal
+        self._census: dict[int, BackwardCensus] = {}
+
+    def on_pass_open(self, state: Any) -> None:
+        return None
+
+    def run_context(self, run: Any) -> BackwardCensus | None:
+        state = run.passes.get(self._recorder)
+        if state is None:
+            return None
+        census = BackwardCensus(create_graph=run.create_graph)
+        self._census[state.record.number] = census
+        return census
+
+    def on_pass_close(self, state: Any, error: BaseException | None) -> None:
+        number = state.record.number
+        census = self._census.pop(number, None)
+        calls = [self._recorder.calls[i] for i in state.call_indices]
+        reason = no_count_reason(census, state.run.trigger, state.run.explicit, error)
+        if reason is not None:
+            for entry in calls:
+                entry.flops = entry.recompute_flops = None
+            self._journal.passes.append(uncounted(number, reason))
+            return
+        self._journal.passes.append(settle(census, number, calls, self._recorder.table))

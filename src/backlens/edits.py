@@ -1,0 +1,209 @@
+"""Declarative edits: a site, an edit, and ``when`` to arm one on a capture.
+
+A site is an op label (``"relu_3"``: its activation), ``bl.grad("relu_3")``
+(the gradient of its output), a module address (its output;
+``bl.grad("encoder.layer.0")`` its output gradient), or a selector (every
+matching op). Sites combine with ``|``. An edit maps a tensor to a tensor of
+the same shape and dtype: ``scale``, ``zero_ablate``, ``clamp``,
+``add_noise``, ``clip_norm``, or any ``fn(value, *, ctx)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from backlens.errors import BacklensError
+
+__all__ = [
+    "EditContext",
+    "Intervention",
+    "Interventions",
+    "Site",
+    "add_noise",
+    "clamp",
+    "clip_norm",
+    "grad",
+    "scale",
+    "when",
+    "zero_ablate",
+]
+
+
+@dataclass(frozen=True)
+class EditContext:
+    """What an edit callable is told about where it applies."""
+
+    site: str
+    op: str | None
+    module: str | None
+    pass_number: int | None
+    invoke_rows: tuple[int, int] | None = None
+    application: int = 0
+
+
+class Site:
+    """Where an edit applies: activations or gradients of ops or module calls."""
+
+    def __init__(self, targets: tuple[Any, ...], gradient: bool):
+        self.targets = targets  # labels / addresses (str) or selectors
+        self.gradient = gradient
+
+    def __or__(self, other: Any) -> SiteUnion:
+        return SiteUnion((self, as_site(other)))
+
+    def parts(self) -> tuple[Site, ...]:
+        return (self,)
+
+    def __repr__(self) -> str:
+        inner = ", ".join(repr(t) for t in self.targets)
+        return f"grad({inner})" if self.gradient else inner
+
+
+class SiteUnion(Site):
+    def __init__(self, sites: tuple[Site, ...]):
+        self.sites = tuple(p for s in sites for p in s.parts())
+        self.gradient = any(s.gradient for s in self.sites)
+        self.targets = tuple(t for s in self.sites for t in s.targets)
+
+    def parts(self) -> tuple[Site, ...]:
+        return self.sites
+
+    def __repr__(self) -> str:
+        return " | ".join(repr(s) for s in self.sites)
+
+
+def as_site(value: Any) -> Site:
+    if isinstance(value, Site):
+        return value
+    if isinstance(value, str) or hasattr(value, "matches"):
+        return Site((value,), gradient=False)
+    raise TypeError(f"an edit site is a label, a module address, bl.grad(...) or a selector, not {value!r}")
+
+
+def grad(target: Any) -> Site:
+    """The gradient of an op's output or of a module call's output (or of what a selector matches)."""
+    site = as_site(target)
+    return SiteUnion(tuple(Site(p.targets, gradient=True) for p in site.parts()))
+
+
+# -- edits -----------------------------------------------------------------
+
+class Edit:
+    """A named tensor -> tensor map; ``repr`` is what records show."""
+
+    def __init__(self, name: str, fn: Callable[[torch.Tensor, EditContext], torch.Tensor]):
+        self.name = name
+        self._fn = fn
+
+    def __call__(self, value: torch.Tensor, ctx: EditContext) -> torch.Tensor:
+        return self._fn(value, ctx)
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def scale(factor: float) -> Edit:
+    return Edit(f"scale({factor!r})", lambda v, ctx: v * factor)
+
+
+def zero_ablate() -> Edit:
+    return Edit("zero_ablate()", lambda v, ctx: torch.zeros_like(v))
+
+
+def clamp(min: float | None = None, max: float | None = None) -> Edit:  # noqa: A002 - torch's names
+    return Edit(f"clamp({min!r}, {max!r})", lambda v, ctx: v.clamp(min=min, max=max))
+
+
+def add_noise(std: float, *, seed: int = 0) -> Edit:
+    """Gaussian noise; the k-th application in a capture draws from ``seed + k``."""
+
+    def apply(value: torch.Tensor, ctx: EditContext) -> torch.Tensor:
+        generator = torch.Generator(device=value.device).manual_seed(seed + ctx.application)
+        noise = torch.randn(value.shape, generator=generator, device=value.device, dtype=value.dtype)
+        return value + noise * std
+
+    return Edit(f"add_noise({std!r}, seed={seed!r})", apply)
+
+
+def clip_norm(max_norm: float) -> Edit:
+    """Rescale so the tensor's 2-norm is at most ``max_norm``."""
+
+    def apply(value: torch.Tensor, ctx: EditContext) -> torch.Tensor:
+        norm = value.detach().float().norm()
+        factor = torch.clamp(max_norm / (norm + 1e-12), max=1.0).to(value.dtype)
+        return value * factor
+
+    return Edit(f"clip_norm({max_norm!r})", apply)
+
+
+def as_edit(value: Any) -> Edit:
+    if isinstance(value, Edit):
+        return value
+    if callable(value):
+        name = getattr(value, "__name__", type(value).__name__)
+        return Edit(f"{name}(...)", lambda v, ctx: value(v, ctx=ctx))
+    raise TypeError(f"an edit is bl.scale(...), bl.zero_ablate(), ... or a callable fn(value, *, ctx), not {value!r}")
+
+
+# -- arming ----------------------------------------------------------------
+
+@dataclass
+class Intervention:
+    site: Site
+    edit: Edit
+
+    def __or__(self, other: Any) -> Interventions:
+        return Interventions([self, *as_interventions(other)])
+
+    def __repr__(self) -> str:
+        return f"when({self.site!r}, {self.edit!r})"
+
+
+@dataclass
+class Interventions:
+    items: list[Intervention] = field(default_factory=list)
+
+    def __or__(self, other: Any) -> Interventions:
+        return Interventions([*self.items, *as_interventions(other)])
+
+    def __iter__(self):
+        return iter(self.items)
+
+
+def when(site: Any, edit: Any) -> Intervention:
+    """Arm ``edit`` at ``site``: ``bl.capture(..., intervene=bl.when(bl.grad("relu_3"), bl.scale(0.5)))``."""
+    return Intervention(as_site(site), as_edit(edit))
+
+
+def as_interventions(value: Any) -> list[Intervention]:
+    if value is None:
+        return []
+    if isinstance(value, Intervention):
+        return [value]
+    if isinstance(value, Interventions):
+        return list(value.items)
+    if isinstance(value, Iterable) and not isinstance(value, (str, bytes)):
+        items: list[Intervention] = []
+        for item in value:
+            items.extend(as_interventions(item))
+        return items
+    raise TypeError(f"intervene= takes bl.when(site, edit), a | of them, or a list, not {value!r}")
+
+
+def apply_checked(edit: Edit, value: torch.Tensor, ctx: EditContext) -> torch.Tensor:
+    """Run an edit and refuse a result whose shape or dtype differs from its input."""
+    result = edit(value, ctx)
+    if not isinstance(result, torch.Tensor) or result.shape != value.shape or result.dtype != value.dtype:
+        got = (f"{type(result).__name__}" if not isinstance(result, torch.Tensor)
+               else f"shape {tuple(result.shape)} {result.dtype}")
+        raise BacklensError(
+            f"Edit {edit!r} at site {ctx.site!r} returned {got}, but the value there is "
+            f"shape {tuple(value.shape)} {value.dtype}.",
+            code="edit_changed_shape",
+            remedy="Return a tensor of the same shape and dtype as the edit's input.",
+        )
+    return result

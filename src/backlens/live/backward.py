@@ -1,0 +1,531 @@
+"""``with t.backward(...):`` — a body that runs during the real backward.
+
+``Tensor.backward`` is patched once, at import of :mod:`backlens.live`. The
+patch looks at the caller's bytecode: when the call's result goes straight
+into a ``with`` statement it returns a :class:`BackwardBlock`; otherwise it
+calls torch's own ``Tensor.backward`` with the same arguments, so a plain
+``t.backward()`` keeps its stock return, effect and errors. (Inside a trace a
+plain call also warns once that intermediate ``.grad`` stays ``None``, and a
+freed shared graph is explained in invoke terms.)
+
+Inside a backward block, ``h.grad`` is the gradient flowing into ``h`` as it
+arrives: the first read registers a tensor hook on ``h`` (on the batched
+tensor and cut to the invoke's rows, when ``h`` came from a lens) and waits
+for the engine to reach it; ``h.grad = g`` makes that hook return ``g``
+instead. ``Tensor.grad`` is replaced by a property only while a block runs,
+and only the block's own thread sees the difference.
+"""
+
+from __future__ import annotations
+
+import dis
+import functools
+import sys
+import threading
+import types
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from backlens import _torch
+from backlens.errors import (
+    BacklensError,
+    BacklensWarning,
+    NoGradForwardError,
+    NoGradientPathError,
+    OutOfOrderError,
+    TraceError,
+)
+from backlens.live import rows as rows_mod
+from backlens.live.context import Block, current_block, saved_names
+from backlens.live.freed import BackwardCall, freed_graph_error, is_freed_graph
+from backlens.live.gradpath import GraphIndex
+from backlens.live.mediator import CallerState, Event, Mediator, StopRun
+from backlens.live.naming import Label, Site, describe
+from backlens.live.source import BlockSource, compile_body
+from backlens.live.withbody import WithBody
+
+if TYPE_CHECKING:
+    from backlens.live.forward import ForwardRun
+    from backlens.live.tracer import Tracer
+
+
+# ---------------------------------------------------------------------------
+# Is the call's result used as a context manager?
+
+_CACHE_OP = dis.opmap.get("CACHE")
+_WITH_OPS = {dis.opmap[name] for name in ("BEFORE_WITH", "SETUP_WITH", "SETUP_ASYNC_WITH") if name in dis.opmap}
+_COPY_OP = dis.opmap.get("COPY")
+_LOAD_SPECIAL_OP = dis.opmap.get("LOAD_SPECIAL")
+_enters_with: dict[tuple[int, int], tuple[types.CodeType, bool]] = {}
+
+
+def result_enters_with(frame: types.FrameType) -> bool:
+    """True when the call ``frame`` is making is the expression of a ``with``.
+
+    ``frame.f_lasti`` is the calling instruction (3.11 reports its last
+    inline CACHE entry); the next real instruction is ``BEFORE_WITH``
+    (3.11-3.13) or ``SETUP_WITH`` (3.10), or ``COPY; LOAD_SPECIAL`` (3.14).
+    Cached per code object and offset: one dict lookup per call.
+    """
+    code = frame.f_code
+    # Keyed by id (hashing a code object hashes its bytecode); the code object
+    # is kept in the value, so its id cannot be reused while cached.
+    hit = _enters_with.get((id(code), frame.f_lasti))
+    if hit is not None and hit[0] is code:
+        return hit[1]
+    found = _scan(code.co_code, frame.f_lasti)
+    if len(_enters_with) > 10_000:
+        _enters_with.clear()
+    _enters_with[(id(code), frame.f_lasti)] = (code, found)
+    return found
+
+
+def _scan(code: bytes, lasti: int) -> bool:
+    i = lasti
+    if i < 0 or i >= len(code):
+        return False
+    if _CACHE_OP is None or code[i] != _CACHE_OP:
+        i += 2  # step over the call itself
+    while _CACHE_OP is not None and i < len(code) and code[i] == _CACHE_OP:
+        i += 2
+    if i >= len(code):
+        return False
+    if code[i] in _WITH_OPS:
+        return True
+    return (
+        _LOAD_SPECIAL_OP is not None
+        and code[i] == _COPY_OP
+        and i + 2 < len(code)
+        and code[i + 2] == _LOAD_SPECIAL_OP
+    )
+
+
+# ---------------------------------------------------------------------------
+# Tensor.grad, while backward blocks run
+
+_STOCK_GRAD = _torch.tensor_grad_descriptor()
+_grad_lock = threading.Lock()
+_grad_users = 0
+
+
+def _grad_get(self: torch.Tensor) -> Any:
+    block = current_block()
+    if block is not None and block.backward is not None and block.kind == "backward":
+        return block.backward.read_grad(self, sys._getframe(1))
+    return _STOCK_GRAD.__get__(self, type(self))
+
+
+def _grad_set(self: torch.Tensor, value: Any) -> None:
+    block = current_block()
+    if block is not None and block.backward is not None and block.kind == "backward":
+        block.backward.write_grad(self, value, sys._getframe(1))
+        return
+    _STOCK_GRAD.__set__(self, value)
+
+
+def _grad_delete(self: torch.Tensor) -> None:
+    _STOCK_GRAD.__delete__(self)
+
+
+_GRAD_PROPERTY = property(_grad_get, _grad_set, _grad_delete, getattr(_STOCK_GRAD, "__doc__", None))
+
+
+def _grad_acquire() -> None:
+    global _grad_users
+    if _STOCK_GRAD is None:
+        raise TraceError(
+            "this torch keeps Tensor.grad where backlens cannot find it, so .grad cannot be "
+            "served inside a backward block (capability HAS_TENSOR_GRAD_DESCRIPTOR is off).",
+            code="capability_missing",
+            remedy="Read gradients with tensor.register_hook instead, or use a torch version bl.doctor() accepts.",
+        )
+    with _grad_lock:
+        if _grad_users == 0:
+            torch.Tensor.grad = _GRAD_PROPERTY  # type: ignore[method-assign,assignment]
+        _grad_users += 1
+
+
+def _grad_release() -> None:
+    global _grad_users
+    with _grad_lock:
+        _grad_users -= 1
+        if _grad_users == 0 and torch.Tensor.__dict__.get("grad") is _GRAD_PROPERTY:
+            del torch.Tensor.grad  # back to torch's own descriptor
+
+
+# ---------------------------------------------------------------------------
+# Tensor.backward
+
+
+def _find_stock() -> Any:
+    current = torch.Tensor.backward
+    while getattr(current, "__backlens_live__", False):
+        current = current.__wrapped__
+    return current
+
+
+_stock_backward = _find_stock()
+
+
+@functools.wraps(_stock_backward)
+def _backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):  # noqa: ANN001
+    frame = sys._getframe(1)
+    if result_enters_with(frame):
+        return BackwardBlock(self, gradient, retain_graph, create_graph, inputs)
+    block = current_block()
+    if block is None or block.tracer is None:
+        return _stock_backward(self, gradient, retain_graph, create_graph, inputs)
+    return _bare_in_trace(self, block, frame, gradient, retain_graph, create_graph, inputs)
+
+
+_backward.__backlens_live__ = True  # type: ignore[attr-defined]
+
+
+def install_backward() -> None:
+    """Patch ``Tensor.backward`` (once per process)."""
+    if not getattr(torch.Tensor.backward, "__backlens_live__", False):
+        torch.Tensor.backward = _backward  # type: ignore[method-assign]
+
+
+def _bare_in_trace(tensor, block, frame, gradient, retain_graph, create_graph, inputs):  # noqa: ANN001
+    tracer = block.tracer
+    if not tracer._warned_bare:
+        tracer._warned_bare = True
+        warnings.warn(
+            BacklensWarning(
+                "loss.backward() inside a trace runs the whole backward at once, so intermediate "
+                ".grad stays None. To read or replace gradients as they flow, use the with form:\n"
+                "    with loss.backward():\n"
+                "        g = h.grad.save()",
+                code="bare_backward_in_trace",
+            ),
+            stacklevel=3,
+        )
+    if tracer.keep_graph:
+        retain_graph = True
+    invoke = block.invoke.index if block.invoke is not None else None
+    kept = bool(retain_graph if retain_graph is not None else create_graph)
+    call = BackwardCall(invoke, kept, frame.f_code.co_filename, frame.f_lineno)
+    return _run_engine(tracer, call, tensor, gradient, retain_graph, create_graph, inputs)
+
+
+def _run_engine(tracer: Tracer | None, call: BackwardCall, tensor, gradient, retain_graph, create_graph, inputs):  # noqa: ANN001
+    """Run torch's backward; explain a freed shared graph in invoke terms."""
+    earlier = list(tracer._backwards) if tracer is not None else []
+    if tracer is not None:
+        tracer._backwards.append(call)
+    try:
+        return _stock_backward(tensor, gradient, retain_graph, create_graph, inputs)
+    except RuntimeError as exc:
+        if tracer is not None and is_freed_graph(exc):
+            raise freed_graph_error(exc, call, earlier) from exc
+        raise
+
+
+# ---------------------------------------------------------------------------
+# The block
+
+
+class BackwardBlock(WithBody):
+    """What ``t.backward(...)`` returns as the expression of a ``with``."""
+
+    _what = "loss.backward()"
+
+    def __init__(self, tensor: torch.Tensor, gradient: Any, retain_graph: Any, create_graph: bool, inputs: Any):
+        self._tensor = tensor
+        self._args = (gradient, retain_graph, create_graph, inputs)
+        self._state: CallerState | None = None
+
+    def __enter__(self) -> BackwardBlock:
+        frame = sys._getframe(1)
+        tensor = self._tensor
+        if tensor.grad_fn is None and not tensor.requires_grad:
+            label = describe(tensor, current_block(), frame)
+            why = (
+                "it is an inference tensor, made under torch.inference_mode()"
+                if tensor.is_inference()
+                else "the forward ran under torch.no_grad() or torch.inference_mode(), or nothing in it "
+                "requires grad (a frozen model, or generate())"
+            )
+            raise NoGradForwardError(
+                f"{label} carries no autograd graph, so there is no backward pass for this block to "
+                f"run in: {why}.",
+                remedy="Run the forward with gradients enabled (no torch.no_grad / inference_mode).",
+            )
+        self._state = CallerState.capture()
+        self._arm(frame)
+        return self
+
+    def _run(self, frame: types.FrameType) -> dict[str, Any]:
+        assert self._source is not None and self._state is not None
+        body, namespace = compile_body(self._source, frame, self._what)
+        run = BackwardRun(self._tensor, self._args, current_block(), self._source, frame)
+        return run.execute(body, namespace, self._state)
+
+    def _cleanup(self) -> None:
+        self._tensor = None  # type: ignore[assignment]
+
+
+@dataclass(eq=False)
+class _Target:
+    """A tensor whose gradient a body asked for; named only if a message needs it."""
+
+    tensor: torch.Tensor
+    site: Site | None
+    block: Block | None
+    frame: types.FrameType | None
+    node: Any
+    rows: tuple[int, int] | None
+    full: torch.Tensor
+
+    @property
+    def label(self) -> Label:
+        if self.site is not None:
+            return self.site.label()
+        return describe(self.tensor, self.block, self.frame)
+
+
+class BackwardRun:
+    """One backward engine run with one block body in step with it."""
+
+    def __init__(
+        self, tensor: torch.Tensor, args: tuple[Any, ...], parent: Block | None, source: BlockSource, frame: types.FrameType
+    ):
+        self.tensor = tensor
+        self.gradient, self.retain_graph, self.create_graph, self.inputs = args
+        self.parent = parent
+        self.tracer: Tracer | None = parent.tracer if parent is not None else None
+        self.forward: ForwardRun | None = parent.forward if parent is not None else None
+        self.invoke = parent.invoke if parent is not None else None
+        self.source = source
+        self._frame = frame  # to name the loss, only if an error needs it
+        self.mediator: Mediator | None = None
+        self._graph: GraphIndex | None = None
+        self._expect: dict[int, _Target] = {}
+        self._served: dict[int, Event] = {}
+        self._last: _Target | None = None
+        self._handles: list[Any] = []
+
+    @property
+    def loss(self) -> Label:
+        return describe(self.tensor, self.parent, self._frame)
+
+    # -- the driver -------------------------------------------------------------
+    def execute(self, body: Any, namespace: dict[str, Any], state: CallerState) -> dict[str, Any]:
+        block = Block("backward", tracer=self.tracer, forward=self.forward, invoke=self.invoke, backward=self)
+        mediator = Mediator(block, body, namespace, state)
+        self.mediator = mediator
+        plan = self._predict(namespace, body, block)
+        error: BaseException | None = None
+        _grad_acquire()
+        try:
+            if plan:
+                mediator.defer(plan)
+            else:
+                mediator.start()
+            if mediator.error is None:
+                retain = self.retain_graph
+                if self.tracer is not None and self.tracer.keep_graph:
+                    retain = True
+                kept = bool(retain if retain is not None else self.create_graph)
+                invoke = self.invoke.index if self.invoke is not None else None
+                call = BackwardCall(invoke, kept, self.source.filename, self.source.with_line)
+                _run_engine(self.tracer, call, self.tensor, self.gradient, retain, self.create_graph, self.inputs)
+                self._finish()
+        except StopRun:
+            pass
+        except BaseException as exc:  # the engine failed: stop the body, then report
+            error = exc
+        finally:
+            for handle in self._handles:
+                handle.remove()
+            self._handles.clear()
+            _grad_release()
+            mediator.cancel()
+            self._graph = None
+            self._expect.clear()
+            self._served.clear()
+            self._last = None
+            self._frame = None
+        if mediator.error is not None:
+            raise mediator.error
+        if error is not None:
+            raise error
+        result = mediator.result or {}
+        mediator.result = None
+        return saved_names(result, block, self.source.assigned)
+
+    def _predict(self, namespace: dict[str, Any], body: Any, block: Block) -> list[int]:
+        """Arm the body's leading gradient reads (``g = h.grad...``) without running it yet.
+
+        Planned only while each next tensor's gradient is certain to arrive
+        after the previous one (its node lies below it), so the plan waits
+        for them in the order the engine delivers them.
+        """
+        plan: list[int] = []
+        previous: _Target | None = None
+        for request in self.source.leading_grads:
+            tensor = namespace.get(request.name, _MISSING)
+            if tensor is _MISSING:
+                tensor = body.__globals__.get(request.name)
+            if not isinstance(tensor, torch.Tensor):
+                break
+            target = self._target(tensor, block, None)
+            key = id(target.full)
+            if key in plan:
+                break  # a second read of one gradient is served from the same event
+            try:
+                target.node = self._check_path(target)
+            except BacklensError:
+                break  # the body will ask again and raise it from its own line
+            if previous is not None and not (
+                previous.node is not None and target.node is not None and self._graph.reaches(previous.node, target.node)  # type: ignore[union-attr]
+            ):
+                break
+            self._hook(target, key)
+            plan.append(key)
+            previous = target
+        mediator = self.mediator
+        assert mediator is not None
+        mediator.inline = bool(plan) and self.source.grad_reads_only and len(plan) == len(self.source.leading_grads)
+        return plan
+
+    def _finish(self) -> None:
+        """Tell a body still waiting that its gradient never came, and why."""
+        mediator = self.mediator
+        assert mediator is not None
+        attempts = 0
+        while not mediator.done and mediator.pending is not None:
+            attempts += 1
+            if attempts > 100:
+                mediator.cancel()
+                return
+            target = self._expect[mediator.pending]
+            mediator.fail(self._never_arrived(target))
+            if mediator.error is not None:
+                raise StopRun()
+
+    def _never_arrived(self, target: _Target) -> BaseException:
+        if self.inputs is not None:
+            return TraceError(
+                f"{target.label.grad} never arrived: this backward computes gradients only on the way "
+                "to the `inputs` given to backward(), and its path is not among them.",
+                code="grad_not_computed",
+                remedy="Drop `inputs=` or include a tensor the gradient flows into.",
+            )
+        last = f" (the last one served was {self._last.label.grad})" if self._last is not None else ""
+        return OutOfOrderError(
+            f"{target.label.grad} never arrived: its gradient had already flowed past when it was "
+            f"requested{last}. Gradients arrive in reverse forward order, so request later layers first.",
+        )
+
+    # -- what the body asks for (body thread) -----------------------------------
+    def read_grad(self, tensor: torch.Tensor, frame: types.FrameType) -> Any:
+        event, target = self._event_for(tensor, frame, writing=False)
+        rows = target.rows
+        return event.value if rows is None else event.value[rows[0] : rows[1]]
+
+    def write_grad(self, tensor: torch.Tensor, value: Any, frame: types.FrameType) -> None:
+        event, target = self._event_for(tensor, frame, writing=True)
+        batch = self.forward.batch if self.forward is not None else 0
+        event.replace(rows_mod.put(event.value, value, target.rows, batch, target.label.grad))
+
+    def _target(self, tensor: torch.Tensor, block: Block | None, frame: types.FrameType | None) -> _Target:
+        site = self.forward.site_of(tensor) if self.forward is not None else None
+        if site is not None:
+            return _Target(tensor, site, block, frame, None, site.rows, site.full)
+        return _Target(tensor, None, block, frame, None, None, tensor)
+
+    def _event_for(self, tensor: torch.Tensor, frame: types.FrameType, writing: bool) -> tuple[Event, _Target]:
+        """The event carrying the gradient of ``tensor``'s target, waiting for it if needed.
+
+        The event holds the whole (batched) gradient; the target's ``rows`` say
+        which part is ``tensor``'s, so two invokes' views of one batched tensor
+        share one event and each reads and writes only its own rows.
+        """
+        mediator = self.mediator
+        assert mediator is not None
+        target = self._target(tensor, mediator.block, frame)
+        key = id(target.full)
+        event = mediator.event
+        if event is not None and event.key == key:
+            return event, target
+        served = self._served.get(key)
+        if served is not None:
+            if writing:
+                raise TraceError(
+                    f"{target.label.grad} can no longer be replaced: its gradient has already flowed on "
+                    "towards the inputs.",
+                    code="grad_already_passed",
+                    remedy="Set .grad while it arrives, before requesting an earlier layer's gradient.",
+                )
+            return served, target
+        return mediator.request(self._arm(target)), target
+
+    def _arm(self, target: _Target) -> int:
+        """Check a new request and hook its tensor; returns the key its event will carry."""
+        key = id(target.full)
+        target.node = self._check_path(target)
+        self._check_order(target)
+        self._hook(target, key)
+        return key
+
+    def _hook(self, target: _Target, key: int) -> None:
+        self._expect[key] = target
+        self._handles.append(target.full.register_hook(functools.partial(self._on_grad, key)))
+
+    def _check_path(self, target: _Target) -> Any:
+        full = target.full
+        if not full.requires_grad:
+            raise NoGradientPathError(
+                f"{target.label.grad} was requested, but {target.label} does not require grad, so no "
+                f"gradient flows into it from {self.loss}."
+            )
+        if self._graph is None:
+            root = self.tensor.grad_fn
+            self._graph = GraphIndex([root] if root is not None else [])
+        node = self._graph.node_of(full)
+        if node is None and full is self.tensor:
+            return None  # a leaf backpropagated from itself
+        if node is None:
+            raise NoGradientPathError(
+                f"{target.label.grad} was requested, but {self.loss} does not depend on {target.label}, "
+                "so no gradient flows into it in this backward."
+            )
+        return node
+
+    def _check_order(self, target: _Target) -> None:
+        last = self._last
+        node = target.node
+        if last is None or node is None or last.node is None:
+            return
+        assert self._graph is not None
+        if node is last.node or self._graph.reaches(node, last.node):
+            new, old = target.label, last.label
+            raise OutOfOrderError(
+                f"{new.grad} was requested after {old.grad}, but gradients arrive in reverse "
+                f"forward order: {new.name}'s gradient is computed before {old.name}'s, so it had "
+                f"already passed. Request {new.grad} before {old.grad}."
+            )
+
+    # -- the hook (engine thread) -----------------------------------------------
+    def _on_grad(self, key: int, grad: torch.Tensor) -> Any:
+        mediator = self.mediator
+        if mediator is None or mediator.done or mediator.pending != key:
+            return None
+        event = Event(key, grad)
+        # Recorded before the body runs on: its next request is checked against it.
+        self._served[key] = event
+        self._last = self._expect[key]
+        if mediator.hold(event):
+            return None  # a planned read: the body takes it when it runs
+        mediator.serve(event)
+        if mediator.error is not None:
+            raise StopRun()
+        return event.value if event.replaced else None
+
+
+_MISSING = object()

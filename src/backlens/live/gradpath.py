@@ -1,0 +1,76 @@
+"""Which autograd nodes a backward will run, and in what order they can arrive.
+
+Built once per backward block, on the first gradient a body asks for, by
+walking ``next_functions`` from the tensor being backpropagated. Node
+wrappers are only stable while referenced, so the index holds every node it
+saw for its own lifetime (one backward block).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from backlens import _torch
+
+
+class GraphIndex:
+    """The nodes reachable from some roots, found lazily.
+
+    The walk from the roots stops as soon as the node asked about is found
+    and resumes from where it stopped for the next question, so a block that
+    asks about late layers only walks the top of the graph.
+    """
+
+    def __init__(self, roots: list[Any]):
+        self._nodes: dict[int, Any] = {}
+        self._leaves: dict[int, Any] = {}
+        self._stack: list[Any] = []
+        for node in roots:
+            if node is not None and id(node) not in self._nodes:
+                self._see(node)
+
+    def _see(self, node: Any) -> None:
+        self._nodes[id(node)] = node
+        self._stack.append(node)
+        if _torch.is_accumulate_grad(node):
+            variable = _torch.accumulate_grad_variable(node)
+            if variable is not None:
+                self._leaves[id(variable)] = node
+
+    def _found(self, table: dict[int, Any], key: int, node: Any | None) -> Any | None:
+        while True:
+            hit = table.get(key)
+            if hit is not None and (node is None or hit is node):
+                return hit
+            if not self._stack:
+                return None
+            current = self._stack.pop()
+            for child, _ in current.next_functions:
+                if child is not None and id(child) not in self._nodes:
+                    self._see(child)
+
+    def node_of(self, tensor: torch.Tensor) -> Any | None:
+        """The node whose firing delivers ``tensor``'s gradient, if the roots reach it."""
+        grad_fn = tensor.grad_fn
+        if grad_fn is not None:
+            return self._found(self._nodes, id(grad_fn), grad_fn)
+        return self._found(self._leaves, id(tensor), None)
+
+    def reaches(self, start: Any, goal: Any) -> bool:
+        """True when ``goal`` lies below ``start`` (so ``start`` runs before ``goal``)."""
+        if start is goal:
+            return True
+        seen: dict[int, Any] = {id(start): start}
+        stack = [start]
+        while stack:
+            node = stack.pop()
+            for child, _ in node.next_functions:
+                if child is None or id(child) in seen:
+                    continue
+                if child is goal:
+                    return True
+                seen[id(child)] = child
+                stack.append(child)
+        return False

@@ -1,0 +1,275 @@
+"""``bl.wrap(model)``: a lens that mirrors the module tree.
+
+``lens.transformer.h[5]`` is the lens of that submodule; its ``.output``,
+``.input`` and ``.inputs`` are the real values while a trace runs, and
+setting them replaces the value for the rest of the forward. Attributes that
+are not submodules (``lens.config``) read through to the module. A submodule
+whose name clashes with a lens attribute (BERT's ``layer[0].output`` module)
+is reached by name: ``lens.encoder.layer[0]["output"]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from backlens.errors import TraceError, UnsupportedInputError
+from backlens.live.batching import Batcher, ConcatBatcher
+from backlens.live.context import current_block
+from backlens.live.mediator import Event
+from backlens.live.naming import INPUT, OUTPUT, site_name
+
+_OWN = ("output", "input", "inputs")
+_Tracer: Any = None
+
+
+@dataclass(frozen=True, eq=False)
+class _Root:
+    model: nn.Module
+    batcher: Batcher
+
+
+class Lens:
+    """One module of a wrapped model, seen through backlens."""
+
+    __slots__ = ("_lens_module", "_lens_root", "_lens_address")
+
+    def __init__(self, module: nn.Module, root: _Root, address: str = ""):
+        object.__setattr__(self, "_lens_module", module)
+        object.__setattr__(self, "_lens_root", root)
+        object.__setattr__(self, "_lens_address", address)
+
+    # -- tracing -------------------------------------------------------------
+    def trace(self, *args: Any, keep_graph: bool = False, **kwargs: Any) -> Any:
+        """A ``with`` block whose body runs during the real forward (see API.md §2).
+
+        With inputs, the body runs against ``model(*args, **kwargs)``; without,
+        the body declares ``tracer.invoke(...)`` blocks that are batched into
+        one forward call. ``keep_graph=True`` retains the autograd graph for
+        every backward in the trace and frees it when the trace exits.
+        """
+        global _Tracer
+        if _Tracer is None:  # imported late: the tracer module imports this one
+            from backlens.live.tracer import Tracer as _Tracer
+        if self._lens_address:
+            raise TraceError(
+                f"trace() was called on the lens of {self._lens_address}; a trace runs the whole "
+                "wrapped model.",
+                code="trace_on_submodule",
+                remedy="Call trace() on the lens bl.wrap(model) returned.",
+            )
+        return _Tracer(self, args, kwargs, keep_graph=keep_graph)
+
+    # -- values ----------------------------------------------------------------
+    @property
+    def output(self) -> Any:
+        """This module's output in the running forward (the invoke's rows of it)."""
+        return self._event(OUTPUT, "output").value
+
+    @output.setter
+    def output(self, value: Any) -> None:
+        self._event(OUTPUT, "output").replace(value)
+
+    @property
+    def inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """This module's call inputs as ``(args, kwargs)``."""
+        return self._event(INPUT, "inputs").value
+
+    @inputs.setter
+    def inputs(self, value: tuple[tuple[Any, ...], dict[str, Any]]) -> None:
+        if not (isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], dict)):
+            raise UnsupportedInputError(
+                f"{site_name(self._lens_address, 'inputs')} must be set to a pair (args, kwargs).",
+                code="bad_inputs_value",
+                remedy="Set .inputs = (args_tuple, kwargs_dict), or set .input for the first argument.",
+            )
+        self._event(INPUT, "inputs").replace((tuple(value[0]), dict(value[1])))
+
+    @property
+    def input(self) -> Any:
+        """This module's first positional input (its first keyword input if it has none)."""
+        args, kwargs = self._event(INPUT, "input").value
+        if args:
+            return args[0]
+        if kwargs:
+            return next(iter(kwargs.values()))
+        raise self._no_input()
+
+    @input.setter
+    def input(self, value: Any) -> None:
+        event = self._event(INPUT, "input")
+        args, kwargs = event.value
+        if args:
+            event.replace(((value, *args[1:]), dict(kwargs)))
+        elif kwargs:
+            first = next(iter(kwargs))
+            event.replace((tuple(args), {**kwargs, first: value}))
+        else:
+            raise self._no_input()
+
+    def _no_input(self) -> TraceError:
+        return TraceError(
+            f"{site_name(self._lens_address, 'input')} does not exist: the module was called without arguments.",
+            code="no_input",
+            remedy="Read .inputs to see what the module was called with.",
+        )
+
+    def _event(self, kind: str, attr: str) -> Event:
+        block = current_block()
+        if (
+            block is not None
+            and block.kind == "invoke"
+            and block.forward is not None
+            and block.mediator is not None
+            and block.forward.tracer._lens_root_of is self._lens_root
+        ):
+            return block.forward.value_for(block.mediator, self._lens_module, self._lens_address, kind)
+        raise self._refusal(block, attr)
+
+    def _refusal(self, block: Any, attr: str) -> TraceError:
+        """Why this value cannot be served here (worked out only on the error path)."""
+        site = site_name(self._lens_address, attr)
+        if block is None:
+            return TraceError(
+                f"{site} is only available inside a trace, while the model runs.",
+                code="not_in_trace",
+                remedy="Read it inside `with lens.trace(...):` (or a tracer.invoke block) and .save() it.",
+            )
+        if block.kind == "backward":
+            return TraceError(
+                f"{site} was read inside a backward block; only .grad is served there, because "
+                "the forward has finished by the time the backward runs.",
+                code="forward_value_in_backward",
+                remedy=f"Read {site} before the `with ....backward():` block and use that variable inside it.",
+            )
+        if block.kind == "trace" or block.forward is None or block.mediator is None:
+            return TraceError(
+                f"{site} was read in the trace body outside any invoke; in a trace without inputs, "
+                "module values are served only inside `with tracer.invoke(...):` blocks.",
+                code="outside_invoke",
+                remedy="Move the read into an invoke block, or pass the inputs to lens.trace(...).",
+            )
+        return TraceError(
+            f"{site} belongs to another lens than the one being traced.",
+            code="foreign_lens",
+            remedy="Read values through the lens whose trace() is running.",
+        )
+
+    # -- the module tree -----------------------------------------------------
+    def _child(self, module: nn.Module, name: str) -> Lens:
+        address = f"{self._lens_address}.{name}" if self._lens_address else name
+        return Lens(module, self._lens_root, address)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        module = self._lens_module
+        child = module._modules.get(name)
+        if child is not None:
+            return self._child(child, name)
+        try:
+            value = getattr(module, name)
+        except AttributeError:
+            where = self._lens_address or "the wrapped model"
+            raise AttributeError(f"{type(module).__name__} at {where} has no attribute {name!r}") from None
+        if isinstance(value, nn.Module):
+            return self._child(value, name)
+        return value
+
+    def __getitem__(self, key: Any) -> Any:
+        module = self._lens_module
+        if isinstance(key, str):
+            child = module.get_submodule(key)
+            return self._child(child, key)
+        if type(key) is int and isinstance(module, (nn.Sequential, nn.ModuleList)):
+            names = list(module._modules)
+            try:
+                name = names[key]
+            except IndexError:
+                raise IndexError(f"index {key} is out of range for {self!r} ({len(names)} children)") from None
+            return self._child(module._modules[name], name)  # type: ignore[arg-type]
+        item = module[key]  # type: ignore[index]
+        if isinstance(key, slice):
+            return [self._child(m, self._name_of(m)) for m in item]
+        if isinstance(item, nn.Module):
+            return self._child(item, self._name_of(item))
+        return item
+
+    def _name_of(self, child: nn.Module) -> str:
+        for name, module in self._lens_module._modules.items():
+            if module is child:
+                return name
+        return type(child).__name__
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _OWN:
+            object.__setattr__(self, name, value)
+            return
+        raise AttributeError(
+            f"a lens only lets you set .output, .input and .inputs, not {name!r}; "
+            "set other attributes on the module itself."
+        )
+
+    def __iter__(self) -> Iterator[Lens]:
+        for name, module in self._lens_module._modules.items():
+            if module is not None:
+                yield self._child(module, name)
+
+    def __len__(self) -> int:
+        return len(self._lens_module._modules)
+
+    def __bool__(self) -> bool:  # a leaf module has no children but is still a lens
+        return True
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the module itself (inside a body: on values you pass, e.g. a logit lens)."""
+        return self._lens_module(*args, **kwargs)
+
+    def __dir__(self) -> list[str]:
+        return sorted({*object.__dir__(self), *self._lens_module._modules})
+
+    def __repr__(self) -> str:
+        where = self._lens_address or "<model>"
+        return f"Lens({where}: {type(self._lens_module).__name__})"
+
+
+def navigate(root: Any, steps: tuple[tuple[str, Any], ...]) -> Lens | None:
+    """Follow attribute and index steps from a lens through submodules only.
+
+    Side-effect free (no value is requested), for predicting a body's first
+    request; None as soon as a step is not a plain submodule.
+    """
+    if not isinstance(root, Lens):
+        return None
+    lens = root
+    for kind, key in steps:
+        module = lens._lens_module
+        if kind == "attr" or isinstance(key, str):
+            child = module._modules.get(key) if isinstance(key, str) else None
+            name = key
+        elif type(key) is int and isinstance(module, (nn.ModuleList, nn.Sequential)):
+            names = list(module._modules)
+            if not -len(names) <= key < len(names):
+                return None
+            name = names[key]
+            child = module._modules[name]
+        else:
+            return None
+        if not isinstance(child, nn.Module):
+            return None
+        lens = lens._child(child, str(name))
+    return lens
+
+
+def wrap(model: nn.Module, batcher: Batcher | None = None) -> Lens:
+    """A :class:`Lens` over ``model``; ``batcher`` combines invokes (default: concat on dim 0)."""
+    if not isinstance(model, nn.Module):
+        raise UnsupportedInputError(
+            f"bl.wrap() needs a torch.nn.Module, got {type(model).__name__}.",
+            code="not_a_module",
+            remedy="Pass the model (an nn.Module) itself.",
+        )
+    return Lens(model, _Root(model, batcher if batcher is not None else ConcatBatcher()))

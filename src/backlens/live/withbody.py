@@ -1,0 +1,131 @@
+"""What every backlens ``with`` block shares: skip the body, run it, write back.
+
+Subclasses call :meth:`WithBody._arm` from ``__enter__`` and implement
+``_run(frame)``, which runs the compiled body and returns the saved names to
+bind in the caller. ``__exit__`` does the rest: it swallows the skip, runs
+the body, re-raises the body's error so the traceback reads as the user's
+code, and writes saved values into the caller's frame (also marking them
+saved in an enclosing block, so they keep travelling outwards).
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from typing import Any
+
+from backlens.errors import BacklensError
+from backlens.live.context import current_block
+from backlens.live.source import BlockSource, SkipBody, Skipper, find_block, write_locals
+
+
+class WithBody:
+    """Base of the trace, invoke and backward blocks (see the module docstring)."""
+
+    _what = "the block"
+
+    _frame: types.FrameType | None = None
+    _source: BlockSource | None = None
+    _skip: Skipper | None = None
+
+    def _arm(self, frame: types.FrameType) -> BlockSource:
+        source = find_block(frame, self._what)
+        self._frame = frame
+        self._source = source
+        self._skip = Skipper(frame, source.skip_line)
+        self._skip.install()
+        return source
+
+    def _run(self, frame: types.FrameType) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _cleanup(self) -> None:
+        """Release what the block held, whatever happened."""
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        skip, frame = self._skip, self._frame
+        self._skip = self._frame = None
+        if skip is None or frame is None:
+            return False
+        skip.restore()
+        if exc is not None and not skip.owns(exc):
+            self._cleanup()
+            return False  # something failed before the body: let it through
+        if not skip.fired:
+            self._cleanup()
+            return False
+        error: BaseException | None = None
+        updates: dict[str, Any] = {}
+        try:
+            updates = self._run(frame)
+        except BaseException as err:  # re-raised below, outside this handler
+            error = err
+        finally:
+            self._cleanup()
+        if error is not None:
+            _detach_from_skip(error)
+            _tidy_traceback(error)
+            raise error
+        write_locals(frame, updates)
+        parent = current_block()
+        if parent is not None:
+            for value in updates.values():
+                parent.keep(value)
+        del frame
+        return True
+
+
+def _detach_from_skip(error: BaseException) -> None:
+    """Keep our private SkipBody out of the traceback the user sees.
+
+    ``__exit__`` runs while the interpreter handles SkipBody, so any error
+    raised there gets it as ``__context__``. Drop it from the chain, keep a
+    real earlier context as the cause, and suppress the implicit one the
+    final ``raise`` adds.
+    """
+    seen: set[int] = set()
+    item: BaseException | None = error
+    while item is not None and id(item) not in seen:
+        seen.add(id(item))
+        if isinstance(item.__context__, SkipBody):
+            item.__context__ = None
+        item = item.__cause__ if item.__cause__ is not None else item.__context__
+    if error.__cause__ is None and error.__context__ is not None:
+        error.__cause__ = error.__context__
+    error.__suppress_context__ = True
+
+
+_LIVE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _ours(tb: types.TracebackType) -> bool:
+    return tb.tb_frame.f_code.co_filename.startswith(_LIVE_DIR)
+
+
+def _tidy_traceback(error: BaseException) -> None:
+    """Show the user's lines, not our plumbing, when the error went through them.
+
+    Leading entries from this package (the path from ``__exit__`` down to the
+    body that failed) are dropped; for our own errors, so are the trailing
+    ones after the user's line that asked (the property that raised it). An
+    error that never went through user code keeps its full traceback: that
+    is a bug of ours, and its frames are the evidence.
+    """
+    entries = []
+    tb = error.__traceback__
+    while tb is not None:
+        entries.append(tb)
+        tb = tb.tb_next
+    user = [i for i, entry in enumerate(entries) if not _ours(entry)]
+    if not user:
+        return
+    if isinstance(error, BacklensError):
+        entries[user[-1]].tb_next = None
+    error.__traceback__ = entries[user[0]]
+
+
+def strip_internal_head(tb: types.TracebackType | None, codes: set[types.CodeType]) -> types.TracebackType | None:
+    """Drop the leading traceback entries that are our own thread plumbing."""
+    while tb is not None and tb.tb_frame.f_code in codes:
+        tb = tb.tb_next
+    return tb

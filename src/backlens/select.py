@@ -1,0 +1,532 @@
+"""Selectors: which ops, nodes, sides and passes a policy or an edit applies to (API.md §3).
+
+A selector answers ``matches(obj) -> bool`` for the objects backlens asks
+about:
+
+* forward ops: the view a ``save_activations`` policy sees during the
+  forward (``kind == "op"``: ``label``, ``func``, ``module``) and ``OpRecord``;
+* backward sites: the ``GradSite`` a ``save_grads`` policy sees when a pass
+  opens (one node, one side, one pass), a ``GradFn`` record and a
+  ``GradFnCall`` record.
+
+Forward selectors (``func``, ``label``, ``module``) match a backward site when
+its node is paired with a matching op; ``module`` also matches nodes whose own
+module is in the subtree (the AccumulateGrad nodes of its parameters,
+inferred nodes). Backward selectors (``grad_fn``, ``without_op``,
+``grad_input``, ``grad_output``, ``in_pass``) never match a forward op.
+Selectors compose with ``&``, ``|`` and ``~``; ``repr`` reads as the code that
+builds them (``bl.func('relu') & bl.in_pass(2)``), and that is what a pass
+shows as its ``save_grads_policy``.
+"""
+
+from __future__ import annotations
+
+import re
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from backlens.errors import UnsupportedInputError
+from backlens.graph.labels import op_name
+
+__all__ = [
+    "Selector",
+    "func",
+    "grad_fn",
+    "grad_input",
+    "grad_output",
+    "in_pass",
+    "label",
+    "module",
+    "selector_from_json",
+    "without_op",
+]
+
+
+class Selector:
+    """Base of every selector: ``matches(obj)`` plus ``&``, ``|``, ``~``.
+
+    Subclass and implement ``matches`` for a custom rule; it composes with the
+    built-in ones. Selectors are immutable and compare equal when their
+    ``repr`` is equal.
+    """
+
+    def matches(self, obj: Any) -> bool:
+        raise NotImplementedError
+
+    def __and__(self, other: Any) -> Selector:
+        if not isinstance(other, Selector):
+            return NotImplemented
+        return _All(_flatten(_All, (self, other)))
+
+    def __or__(self, other: Any) -> Selector:
+        if not isinstance(other, Selector):
+            return NotImplemented
+        return _Any(_flatten(_Any, (self, other)))
+
+    def __invert__(self) -> Selector:
+        if isinstance(self, _Not):
+            return self.item
+        return _Not(self)
+
+    def pass_scope(self, pass_number: int) -> bool | None:
+        """Whether this selector can match anything in pass ``pass_number``.
+
+        ``False`` when its ``in_pass`` terms rule the pass out whatever the
+        node, ``True`` when they alone make it match, ``None`` when that
+        depends on nodes (three-valued logic over the ``in_pass`` leaves).
+        """
+        return None
+
+    def to_json(self) -> dict[str, Any]:
+        """A plain-data form ``selector_from_json`` rebuilds (for bundles)."""
+        return {"kind": "opaque", "repr": repr(self)}
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Selector) and repr(other) == repr(self)
+
+    def __hash__(self) -> int:
+        return hash(repr(self))
+
+
+# -- what an object stands for --------------------------------------------------
+
+def _is_forward_op(obj: Any) -> bool:
+    return getattr(obj, "kind", None) == "op"
+
+
+def _is_call(obj: Any) -> bool:
+    """A GradFnCall record (it has no ``kind`` of its own)."""
+    return getattr(obj, "kind", "grad_fn_call") == "grad_fn_call" and hasattr(obj, "grad_fn") \
+        and hasattr(obj, "pass_number")
+
+
+def _node_of(obj: Any) -> Any:
+    """The GradFn record behind a backward object, or None for forward ops."""
+    kind = getattr(obj, "kind", None)
+    if kind == "grad_site":
+        return obj.grad_fn
+    if kind == "grad_fn":
+        return obj
+    if _is_call(obj):
+        return obj.grad_fn
+    return None
+
+
+def _op_of(obj: Any) -> Any:
+    if _is_forward_op(obj):
+        return obj
+    node = _node_of(obj)
+    return node.op if node is not None else None
+
+
+def _pass_of(obj: Any) -> int | None:
+    if _is_forward_op(obj) or getattr(obj, "kind", None) == "grad_fn":
+        return None
+    return getattr(obj, "pass_number", None)
+
+
+def _names(kind: str, names: tuple[Any, ...], convert: Callable[[Any], Any] = lambda n: n) -> tuple[str, ...]:
+    if not names:
+        raise UnsupportedInputError(
+            f"bl.{kind}() needs at least one name.",
+            remedy=f"Pass one or more names, e.g. bl.{kind}({_EXAMPLES[kind]!r}).",
+        )
+    out = []
+    for name in names:
+        text = convert(name)
+        if not isinstance(text, str) or (not text and kind != "module"):
+            raise UnsupportedInputError(
+                f"bl.{kind}() takes names as strings, got {name!r}.",
+                remedy=f"Pass a string such as {_EXAMPLES[kind]!r}.",
+            )
+        out.append(text)
+    return tuple(out)
+
+
+_EXAMPLES = {"func": "relu", "label": "linear_2", "module": "encoder.layer.0"}
+
+
+def _args_repr(values: tuple[Any, ...]) -> str:
+    return ", ".join(repr(v) for v in values)
+
+
+# -- forward selectors ----------------------------------------------------------
+
+class _Func(Selector):
+    def __init__(self, names: tuple[str, ...]):
+        self.names = names
+
+    def matches(self, obj: Any) -> bool:
+        op = _op_of(obj)
+        return op is not None and op.func in self.names
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "func", "names": list(self.names)}
+
+    def __repr__(self) -> str:
+        return f"bl.func({_args_repr(self.names)})"
+
+
+def func(*names: str | Callable[..., Any]) -> Selector:
+    """Ops of these torch functions (``"relu"`` or ``torch.relu``) and their paired nodes."""
+    def convert(name: Any) -> str:
+        return name if isinstance(name, str) else op_name(name) if callable(name) else name
+
+    return _Func(_names("func", names, convert))
+
+
+_CALL_LABEL = re.compile(r"^(?P<node>.+):(?P<call>\d+)$")
+
+
+class _Label(Selector):
+    def __init__(self, names: tuple[str, ...]):
+        self.names = names
+        self._plain = frozenset(n for n in names if not _CALL_LABEL.match(n))
+        calls: dict[str, set[int]] = {}
+        for name in names:
+            found = _CALL_LABEL.match(name)
+            if found:
+                calls.setdefault(found["node"], set()).add(int(found["call"]))
+        self._calls = calls
+
+    def matches(self, obj: Any) -> bool:
+        if _is_forward_op(obj):
+            return obj.label in self._plain
+        node = _node_of(obj)
+        if node is None:
+            return False
+        if node.label in self._plain or (node.op is not None and node.op.label in self._plain):
+            return True
+        wanted = self._calls.get(node.label)
+        if not wanted:
+            return False
+        if getattr(obj, "kind", None) == "grad_site":
+            # A node fires at most once per pass, so its call in this pass is
+            # the one after every call of the earlier passes.
+            earlier = sum(1 for c in node.calls if c.pass_number < obj.pass_number)
+            return earlier + 1 in wanted
+        return _is_call(obj) and obj.index in wanted
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "label", "names": list(self.names)}
+
+    def __repr__(self) -> str:
+        return f"bl.label({_args_repr(self.names)})"
+
+
+def label(*names: str) -> Selector:
+    """One op by label (``"linear_2"``), a node (``"addmm_back_1_4"``) or a node call (``"addmm_back_1_4:2"``).
+
+    An op label also matches the nodes paired with that op.
+    """
+    return _Label(_names("label", names))
+
+
+def _split_address(address: str) -> tuple[str, int | None]:
+    found = _CALL_LABEL.match(address)
+    if found:
+        return found["node"], int(found["call"])
+    return address, None
+
+
+def _in_path(path: str, root: str) -> bool:
+    return root == "" or path == root or path.startswith(root + ".")
+
+
+class _Module(Selector):
+    def __init__(self, addresses: tuple[str, ...]):
+        self.addresses = addresses
+        self._parsed = [_split_address(a) for a in addresses]
+        self._chains: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def matches(self, obj: Any) -> bool:
+        if _is_forward_op(obj):
+            address = obj.module
+        else:
+            node = _node_of(obj)
+            address = node.module if node is not None else None
+        if address is None:
+            return False
+        path, call = _split_address(address)
+        for root, root_call in self._parsed:
+            if not _in_path(path, root):
+                continue
+            if root_call is None or (path == root and (call or 1) == root_call):
+                return True
+            if path != root and self._under_call(obj, address, root, root_call, call):
+                return True
+        return False
+
+    def _under_call(self, obj: Any, address: str, root: str, root_call: int, call: int | None) -> bool:
+        """Whether module call ``address`` runs inside the ``root_call``-th call of ``root``."""
+        source = getattr(_op_of(obj) or _node_of(obj), "_source", None)
+        if source is None:
+            # A forward view carries no call tree: a child's call number
+            # follows its parent's in the usual one-child-call-per-parent-call case.
+            return (call or 1) == root_call
+        chains = self._chains.get(source)
+        if chains is None:
+            parents = {m.address: m.parent for m in source.modules}
+            chains = {}
+            for start in parents:
+                chain, current = set(), start
+                while current is not None:
+                    chain.add(current)
+                    current = parents.get(current)
+                chains[start] = chain
+            self._chains[source] = chains
+        wanted = root if root_call == 1 else f"{root}:{root_call}"
+        return wanted in chains.get(address, ())
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "module", "names": list(self.addresses)}
+
+    def __repr__(self) -> str:
+        return f"bl.module({_args_repr(self.addresses)})"
+
+
+def module(*addresses: str) -> Selector:
+    """Ops inside these modules' subtrees (``"encoder.layer.0"``; ``""`` is the whole model).
+
+    Matches the nodes paired with those ops and every node whose module is in
+    the subtree (its parameters' AccumulateGrad nodes, inferred nodes). An
+    address without a call suffix covers every call; ``"encoder.layer.0:2"``
+    only the second.
+    """
+    return _Module(_names("module", addresses))
+
+
+# -- backward selectors ---------------------------------------------------------
+
+class _GradFn(Selector):
+    def __init__(self, type_name: str | None, label_part: str | None):
+        self.type_name = type_name
+        self.label_part = label_part
+        # "AddmmBackward" (no version digit) matches every version.
+        self._any_version = type_name is not None and not type_name[-1:].isdigit()
+
+    def matches(self, obj: Any) -> bool:
+        node = _node_of(obj)
+        if node is None:
+            return False
+        if self.type_name is not None:
+            node_type = node.type
+            if self._any_version:
+                node_type = node_type.rstrip("0123456789")
+            if node_type != self.type_name:
+                return False
+        return self.label_part is None or self.label_part in node.label
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "grad_fn", "type": self.type_name, "label": self.label_part}
+
+    def __repr__(self) -> str:
+        parts = [repr(self.type_name)] if self.type_name is not None else []
+        if self.label_part is not None:
+            parts.append(f"label={self.label_part!r}")
+        return f"bl.grad_fn({', '.join(parts)})"
+
+
+def grad_fn(type: str | None = None, *, label: str | None = None) -> Selector:  # noqa: A002 - API name
+    """Autograd nodes by class name (``"AddmmBackward0"``) and/or label substring (``label="addmm"``)."""
+    if type is None and label is None:
+        raise UnsupportedInputError(
+            "bl.grad_fn() needs a node class name or label=.",
+            remedy="Pass e.g. bl.grad_fn('AddmmBackward0') or bl.grad_fn(label='addmm').",
+        )
+    for value, what in ((type, "class name"), (label, "label")):
+        if value is not None and (not isinstance(value, str) or not value):
+            raise UnsupportedInputError(
+                f"bl.grad_fn() takes the node {what} as a non-empty string, got {value!r}.",
+                remedy="Pass e.g. bl.grad_fn('AddmmBackward0') or bl.grad_fn(label='addmm').",
+            )
+    return _GradFn(type, label)
+
+
+class _WithoutOp(Selector):
+    def matches(self, obj: Any) -> bool:
+        node = _node_of(obj)
+        return node is not None and node.op is None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "without_op"}
+
+    def __repr__(self) -> str:
+        return "bl.without_op()"
+
+
+def without_op() -> Selector:
+    """Nodes paired with no forward op: the loss, AccumulateGrad, inferred and higher-order nodes."""
+    return _WithoutOp()
+
+
+class _Side(Selector):
+    def __init__(self, side: str):
+        self.side = side
+
+    def matches(self, obj: Any) -> bool:
+        return getattr(obj, "kind", None) == "grad_site" and obj.side == self.side
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.side}
+
+    def __repr__(self) -> str:
+        return f"bl.{self.side}()"
+
+
+def grad_input() -> Selector:
+    """The gradients a node call returns (w.r.t. its forward inputs, leaving the node)."""
+    return _Side("grad_input")
+
+
+def grad_output() -> Selector:
+    """The gradients a node call receives (w.r.t. its forward outputs); what ``op.grads`` reads."""
+    return _Side("grad_output")
+
+
+class _InPass(Selector):
+    def __init__(self, numbers: tuple[int, ...]):
+        self.numbers = numbers
+
+    def matches(self, obj: Any) -> bool:
+        return _pass_of(obj) in self.numbers
+
+    def pass_scope(self, pass_number: int) -> bool | None:
+        return pass_number in self.numbers
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "in_pass", "numbers": list(self.numbers)}
+
+    def __repr__(self) -> str:
+        return f"bl.in_pass({_args_repr(self.numbers)})"
+
+
+def in_pass(*numbers: int) -> Selector:
+    """Backward pass number k (1-based; several numbers match any of them)."""
+    if not numbers or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in numbers):
+        raise UnsupportedInputError(
+            f"bl.in_pass() takes 1-based pass numbers, got {numbers!r}.",
+            remedy="Pass numbers start at 1: bl.in_pass(1) is the first backward pass.",
+        )
+    return _InPass(tuple(numbers))
+
+
+# -- composition ------------------------------------------------------------------
+
+def _flatten(kind: type, items: tuple[Selector, ...]) -> tuple[Selector, ...]:
+    out: list[Selector] = []
+    for item in items:
+        out.extend(item.items if isinstance(item, kind) else (item,))
+    return tuple(out)
+
+
+class _All(Selector):
+    def __init__(self, items: tuple[Selector, ...]):
+        self.items = items
+
+    def matches(self, obj: Any) -> bool:
+        return all(item.matches(obj) for item in self.items)
+
+    def pass_scope(self, pass_number: int) -> bool | None:
+        scopes = [item.pass_scope(pass_number) for item in self.items]
+        if False in scopes:
+            return False
+        return True if all(s is True for s in scopes) else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "all", "items": [item.to_json() for item in self.items]}
+
+    def __repr__(self) -> str:
+        return " & ".join(f"({item!r})" if isinstance(item, _Any) else repr(item) for item in self.items)
+
+
+class _Any(Selector):
+    def __init__(self, items: tuple[Selector, ...]):
+        self.items = items
+
+    def matches(self, obj: Any) -> bool:
+        return any(item.matches(obj) for item in self.items)
+
+    def pass_scope(self, pass_number: int) -> bool | None:
+        scopes = [item.pass_scope(pass_number) for item in self.items]
+        if True in scopes:
+            return True
+        return False if all(s is False for s in scopes) else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "any", "items": [item.to_json() for item in self.items]}
+
+    def __repr__(self) -> str:
+        return " | ".join(repr(item) for item in self.items)
+
+
+class _Not(Selector):
+    def __init__(self, item: Selector):
+        self.item = item
+
+    def matches(self, obj: Any) -> bool:
+        return not self.item.matches(obj)
+
+    def pass_scope(self, pass_number: int) -> bool | None:
+        scope = self.item.pass_scope(pass_number)
+        return None if scope is None else not scope
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "not", "item": self.item.to_json()}
+
+    def __repr__(self) -> str:
+        inner = repr(self.item)
+        return f"~({inner})" if isinstance(self.item, (_All, _Any)) else f"~{inner}"
+
+
+class _Opaque(Selector):
+    """A selector read back from a bundle that could not be rebuilt: it keeps its
+    repr and matches nothing."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def matches(self, obj: Any) -> bool:
+        return False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "opaque", "repr": self.text}
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def selector_from_json(data: dict[str, Any]) -> Selector:
+    """Rebuild a selector from ``Selector.to_json()`` (raises ValueError on bad data)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"a selector must be an object, got {type(data).__name__}")
+    kind = data.get("kind")
+    if kind == "func":
+        return _Func(tuple(_strings(data["names"])))
+    if kind == "label":
+        return _Label(tuple(_strings(data["names"])))
+    if kind == "module":
+        return _Module(tuple(_strings(data["names"])))
+    if kind == "grad_fn":
+        return _GradFn(data.get("type"), data.get("label"))
+    if kind == "without_op":
+        return _WithoutOp()
+    if kind in ("grad_input", "grad_output"):
+        return _Side(kind)
+    if kind == "in_pass":
+        return in_pass(*data["numbers"])
+    if kind in ("all", "any"):
+        items = tuple(selector_from_json(item) for item in data["items"])
+        return _All(items) if kind == "all" else _Any(items)
+    if kind == "not":
+        return _Not(selector_from_json(data["item"]))
+    if kind == "opaque":
+        return _Opaque(str(data["repr"]))
+    raise ValueError(f"unknown selector kind {kind!r}")
+
+
+def _strings(values: Any) -> list[str]:
+    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+        raise ValueError("selector names must be a list of strings")
+    return values

@@ -1,0 +1,141 @@
+"""Which values leave a block, and in which scope the body runs."""
+
+from __future__ import annotations
+
+import runpy
+import textwrap
+
+import pytest
+import torch
+from live_helpers import assert_clean
+
+import backlens.live as bl
+from backlens.errors import TraceError
+
+
+def test_only_saved_values_reach_the_caller(lens, x):
+    before = "untouched"
+    with lens.trace(x):
+        kept = lens.fc1.output.save()
+        dropped = lens.fc2.output  # noqa: F841
+        before = "rebound inside"
+    assert kept.shape == (5, 8)
+    assert before == "untouched"
+    assert "dropped" not in locals()
+
+
+def test_mutating_an_outer_object_works_as_in_plain_python(lens, x):
+    store = {}
+    with lens.trace(x):
+        store["h"] = lens.fc1.output
+    assert store["h"].shape == (5, 8)
+
+
+def test_save_outside_a_trace_raises(x):
+    with pytest.raises(TraceError) as info:
+        bl.save(x)
+    assert info.value.code == "save_outside_trace"
+    with pytest.raises(TraceError):
+        x.save()
+    leaf = torch.ones(2, requires_grad=True)
+    assert (leaf * 2).sum().backward() is None and leaf.grad is not None
+
+
+def test_values_saved_in_a_backward_block_reach_the_trace_body_and_the_caller(lens, x):
+    with lens.trace(x):
+        h = lens.fc2.output
+        with lens.output.sum().backward():
+            g = h.grad.save()
+        doubled = (g * 2).save()
+    assert torch.equal(doubled, g * 2)
+
+
+def test_values_saved_in_invokes_reach_the_caller(lens, x):
+    with lens.trace() as tracer:
+        with tracer.invoke(x[:2]):
+            first = lens.fc1.output.save()
+        with tracer.invoke(x[2:]):
+            second = lens.fc1.output.save()
+    assert first.shape == (2, 8) and second.shape == (3, 8)
+
+
+def test_a_trace_in_a_loop_writes_back_every_iteration(lens, x):
+    seen = []
+    for i in range(3):
+        with lens.trace(x[i : i + 1]):
+            row = lens.fc1.output.save()
+        seen.append(row)
+    assert [tuple(r.shape) for r in seen] == [(1, 8)] * 3
+    assert not torch.equal(seen[0], seen[1])
+
+
+def test_a_trace_in_a_nested_function_reads_closure_variables(lens, x):
+    scale = 3.0
+
+    def inner():
+        with lens.trace(x):
+            scaled = (lens.fc1.output * scale).save()
+        return scaled
+
+    assert inner().shape == (5, 8)
+
+
+def test_a_trace_at_module_level_of_a_script_writes_back_saved_globals(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import torch
+            from torch import nn
+            import backlens.live as bl
+
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 1))
+            lens = bl.wrap(model)
+            x = torch.randn(2, 3)
+            with lens.trace(x):
+                h = lens[0].output.save()
+                unsaved = 5
+                with lens.output.sum().backward():
+                    g = h.grad.save()
+            """
+        )
+    )
+    namespace = runpy.run_path(str(script))
+    assert namespace["h"].shape == (2, 3) and namespace["g"].shape == (2, 3)
+    assert "unsaved" not in namespace
+
+
+def test_the_callers_grad_mode_applies_inside_the_body(lens, x):
+    with torch.no_grad():
+        with lens.trace(x):
+            enabled = bl.save(torch.is_grad_enabled())
+            needs_grad = bl.save(lens.fc1.output.requires_grad)
+    assert enabled is False and needs_grad is False
+
+
+def test_the_callers_inference_mode_applies_inside_the_body(lens, x):
+    with torch.inference_mode():
+        with lens.trace(x):
+            inference = bl.save(torch.is_inference_mode_enabled())
+            made = bl.save((lens.fc1.output * 2).is_inference())
+    assert inference is True and made is True
+
+
+def test_the_callers_autocast_applies_inside_the_body(lens, x):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with lens.trace(x):
+            on = bl.save(torch.is_autocast_enabled("cpu"))
+            product = (lens.fc1.output @ torch.ones(8, 2)).save()
+    assert on is True and product.dtype == torch.bfloat16
+
+
+def test_the_tracer_cannot_be_entered_twice(lens, x):
+    tracer = lens.trace(x)
+    with tracer:
+        lens.output  # noqa: B018  (a request, for its effect)
+    with pytest.raises(TraceError) as info:
+        with tracer:
+            pass
+    assert info.value.code == "tracer_reused"
+    assert_clean(lens._lens_module)
