@@ -362,3 +362,19 @@ def test_parameter_increments_keep_each_pass_value_when_the_weight_is_tied():
     increments = cap.params["transformer.wte.weight"].increments
     assert torch.equal(increments[0].tensor, first)
     assert torch.allclose(increments[1].tensor, first * 3, rtol=1e-4, atol=1e-5)  # 3x upstream: rounding differs
+
+
+def test_a_dropped_capture_is_collected_and_stops_taking_part():
+    import gc
+    import weakref
+
+    model = MLP()
+    cap = bl.capture(model, torch.randn(2, 6))
+    loss = loss_of(cap.output)
+    loss.backward(retain_graph=True)
+    ref = weakref.ref(cap)
+    del cap
+    gc.collect()
+    assert ref() is None
+    loss.backward()  # hooks left on the graph do nothing once their capture is gone
+    assert model.net[0].weight.grad is not None

@@ -8,9 +8,7 @@ pieces take any BERT-like model so tests can run them on a tiny config.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -68,43 +66,22 @@ def _embedding_address(model: torch.nn.Module) -> str:
     raise LookupError("the model has no word_embeddings module")
 
 
-def module_costs(cap: Capture, depth: int = 2) -> list[dict[str, Any]]:
-    """Backward time and node fires per module call, rolled up to ``depth`` path parts."""
-    rows: dict[str, dict[str, Any]] = defaultdict(lambda: {"time": 0.0, "fires": 0, "ops": 0})
-    for call in cap.grad_fn_calls:
-        key = _rollup(call.grad_fn.module, depth)
-        rows[key]["time"] += call.duration or 0.0
-        rows[key]["fires"] += 1
-    for op in cap.ops:
-        rows[_rollup(op.module, depth)]["ops"] += 1
-    return [{"module": k, **v} for k, v in sorted(rows.items(), key=lambda kv: -kv[1]["time"])]
+def token_section(result: DemoResult):
+    from backlens.report.html import Tokens
+
+    return Tokens(
+        "Which input tokens move the similarity (gradient x input; green raises it, red lowers it)",
+        [list(zip(words, scores)) for words, scores in zip(result.tokens, result.token_scores)],
+    )
 
 
-def _rollup(address: str | None, depth: int) -> str:
-    if address is None:
-        return "(after forward: loss)"
-    if address == "":
-        return "(model)"
-    return ".".join(address.split(":")[0].split(".")[:depth])
-
-
-def node_type_costs(cap: Capture) -> list[dict[str, Any]]:
-    rows: dict[str, dict[str, Any]] = defaultdict(lambda: {"time": 0.0, "fires": 0})
-    for call in cap.grad_fn_calls:
-        rows[call.grad_fn.type]["time"] += call.duration or 0.0
-        rows[call.grad_fn.type]["fires"] += 1
-    return [{"type": k, **v} for k, v in sorted(rows.items(), key=lambda kv: -kv[1]["time"])]
-
-
-def render(result: DemoResult, console=None) -> None:
+def render(result: DemoResult, profile, console) -> None:
     """Print the demo's tables with rich."""
-    from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
-    cap = result.capture
-    console.print(f"[bold]Cosine similarity[/bold] {result.similarity:.4f}")
+    from backlens.report.profile import rich_tables, summary_line
 
+    console.print(f"[bold]Cosine similarity[/bold] {result.similarity:.4f}")
     tokens = Table(title="Which tokens move the similarity most (gradient x input)")
     tokens.add_column("sentence")
     tokens.add_column("token")
@@ -114,35 +91,20 @@ def render(result: DemoResult, console=None) -> None:
         for word, score in ranked:
             tokens.add_row(str(row), word, f"{score:+.4f}")
     console.print(tokens)
-
-    modules = Table(title="Backward time per module")
-    for column in ("module", "forward ops", "node fires", "backward ms"):
-        modules.add_column(column, justify="right" if column != "module" else "left")
-    for row in module_costs(cap):
-        modules.add_row(row["module"], str(row["ops"]), str(row["fires"]), f"{row['time'] * 1e3:.2f}")
-    console.print(modules)
-
-    types = Table(title="Ten costliest node types")
-    for column in ("node type", "fires", "ms"):
-        types.add_column(column)
-    for row in node_type_costs(cap)[:10]:
-        types.add_row(row["type"], str(row["fires"]), f"{row['time'] * 1e3:.2f}")
-    console.print(types)
-
-    passes = Table(title="Backward passes")
-    for column in ("pass", "trigger", "call site", "node calls", "ms", "status"):
-        passes.add_column(column)
-    for p in cap.passes:
-        site = f"{p.call_site.function}:{p.call_site.line}" if p.call_site else "-"
-        passes.add_row(str(p.number), p.trigger, site, str(len(p.calls)),
-                       f"{(p.duration or 0) * 1e3:.1f}", p.status)
-    console.print(passes)
+    for table in rich_tables(profile):
+        console.print(table)
+    console.print(summary_line(profile))
 
 
-def main(sentences: tuple[str, str] = DEFAULT_SENTENCES) -> DemoResult:
+def main(sentences: tuple[str, str] = DEFAULT_SENTENCES, out_dir: str = "backlens-out") -> DemoResult:
+    import os
+    import sys
+
     from rich.console import Console
 
-    console = Console()
+    from backlens.report.profile import build_profile, html_report
+
+    console = Console(width=None if sys.stdout.isatty() else 120)
     with console.status("Loading all-MiniLM-L6-v2 from site-packages (offline)..."):
         model, tokenizer = load_minilm()
     batch = tokenizer(list(sentences), padding=True, return_tensors="pt")
@@ -150,11 +112,23 @@ def main(sentences: tuple[str, str] = DEFAULT_SENTENCES) -> DemoResult:
         tokenizer.convert_ids_to_tokens(ids[mask.bool()])
         for ids, mask in zip(batch["input_ids"], batch["attention_mask"])
     ]
-    with console.status("Capturing forward and backward..."):
+    with console.status("Capturing forward and backward (FLOPs and timing on)..."):
         result = run_similarity(model, dict(batch), tokens)
+    cap = result.capture
     console.print(f"[bold]backlens demo[/bold]: {type(model).__name__} (all-MiniLM-L6-v2), "
-                  f"{len(result.capture.ops)} forward ops, {len(result.capture.grad_fns)} autograd nodes")
+                  f"{len(cap.ops)} forward ops, {len(cap.grad_fns)} autograd nodes")
     for i, sentence in enumerate(sentences):
         console.print(f"  sentence {i}: {sentence}")
-    render(result, console)
+    with console.status("Building the backward profile..."):
+        profile = build_profile(cap, "backlens demo: the backward pass of all-MiniLM-L6-v2", depth=2)
+        profile.extra.append(token_section(result))
+    render(result, profile, console)
+    os.makedirs(out_dir, exist_ok=True)
+    bundle = os.path.join(out_dir, "demo.bundle")
+    page = os.path.join(out_dir, "demo.html")
+    with console.status("Saving the bundle and the HTML report..."):
+        cap.save(bundle, overwrite=True)
+        html_report(profile).write(page)
+    console.print(f"Bundle: {os.path.abspath(bundle)}  (backlens show {bundle})")
+    console.print(f"HTML report: {os.path.abspath(page)}")
     return result

@@ -9,6 +9,7 @@ read. Hooks never change gradients unless an edit is armed for that node.
 from __future__ import annotations
 
 import time
+import weakref
 from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -72,7 +73,6 @@ class BackwardRecorder:
         self,
         table: NodeTable,
         output_roots: list[Any],
-        owns_sequence_nr: Callable[[int], bool],
         policy: GradPolicy,
         timing: bool,
         store: TensorStore,
@@ -92,7 +92,9 @@ class BackwardRecorder:
         self.calls: list[CallEntry] = []
         self.node_calls: list[list[int]] = []
         self._output_roots = list(output_roots)
-        self._owns_sequence_nr = owns_sequence_nr
+        # Hooks live on autograd nodes the recorder holds; they reach it through a
+        # weak reference so a dropped capture (and its graph) can be collected.
+        self._self_ref = weakref.ref(self)
         self._on_nodes_added = on_nodes_added
         self._grad_fn_record = grad_fn_record
         self._on_pass_closed = on_pass_closed
@@ -119,7 +121,7 @@ class BackwardRecorder:
         self.armed = True
         for node in self._output_roots:
             if node not in self._pre_hooked:
-                self._handles.append(node.register_prehook(partial(self._on_sentinel_pre, node)))
+                self._handles.append(node.register_prehook(partial(_sentinel_hook, self._self_ref, node)))
                 self._pre_hooked.add(node)
         engine.arm(self)
 
@@ -158,9 +160,9 @@ class BackwardRecorder:
 
     def _hook(self, node: Any, index: int) -> None:
         if node not in self._pre_hooked:
-            self._handles.append(node.register_prehook(partial(self._on_pre, index)))
+            self._handles.append(node.register_prehook(partial(_pre_hook, self._self_ref, index)))
             self._pre_hooked.add(node)
-        self._handles.append(node.register_hook(partial(self._on_post, index)))
+        self._handles.append(node.register_hook(partial(_post_hook, self._self_ref, index)))
 
     def claim(self, roots: list[Any]) -> bool:
         """Whether a run from ``roots`` touches this capture's graph (discovers loss nodes)."""
@@ -176,11 +178,6 @@ class BackwardRecorder:
                 if entries[index_of[node]].source is not None and entries[index_of[node]].param is None:
                     owned = True
                     break
-        if not owned:
-            owned = any(
-                (seq := _torch.node_sequence_nr(node)) is not None and self._owns_sequence_nr(seq)
-                for node in found
-            )
         if owned:
             self._add(found)
         return owned
@@ -386,6 +383,22 @@ class BackwardRecorder:
             if self.nonfinite_error is not None:
                 raise self.nonfinite_error(index, state, bad)
             raise FloatingPointError(f"non-finite gradient ({bad}) from node {index}")
+
+
+def _pre_hook(ref: weakref.ref, index: int, grad_outputs: tuple) -> tuple | None:
+    recorder = ref()
+    return recorder._on_pre(index, grad_outputs) if recorder is not None else None
+
+
+def _post_hook(ref: weakref.ref, index: int, grad_inputs: tuple, grad_outputs: tuple) -> None:
+    recorder = ref()
+    if recorder is not None:
+        recorder._on_post(index, grad_inputs, grad_outputs)
+
+
+def _sentinel_hook(ref: weakref.ref, node: Any, grad_outputs: tuple) -> tuple | None:
+    recorder = ref()
+    return recorder._on_sentinel_pre(node, grad_outputs) if recorder is not None else None
 
 
 def _finite(grad: Any) -> bool:

@@ -225,7 +225,6 @@ class Capture:
         self._backward = BackwardRecorder(
             table=self._table,
             output_roots=roots,
-            owns_sequence_nr=journal.in_forward,
             policy=grad_policy,
             timing=timing,
             store=self._store,

@@ -16,11 +16,32 @@ from backlens.cost.census import BackwardCensus
 from backlens.cost.journal import CostJournal
 from backlens.cost.settle import no_count_reason, settle, uncounted
 
+_dispatch_modes_warm = False
+
+
+def _warm_dispatch_modes() -> None:
+    """Torch imports torch._dynamo (about a second) the first time any dispatch
+    mode is entered; pay it here, once, rather than inside a timed pass."""
+    global _dispatch_modes_warm
+    if _dispatch_modes_warm:
+        return
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Warm(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with _Warm():
+        torch.zeros(1).add_(1)
+    _dispatch_modes_warm = True
+
 
 class FlopObserver:
     """Counts backward FLOPs of every explicit pass of one capture."""
 
     def __init__(self, recorder: Any, journal: CostJournal):
+        _warm_dispatch_modes()
         self._recorder = recorder
         self._journal = journal
         self._census: dict[int, BackwardCensus] = {}

@@ -7,7 +7,8 @@ after the forward) and unattributed work (ATen calls under no node of the
 captured graph; the forward FLOPs of an op outside every module call land
 there too).
 
-A node call's FLOPs and time go to the module call of its node's forward op.
+A node call's FLOPs and time go to the module call its node belongs to: its
+forward op's, or for AccumulateGrad its parameter's module.
 ``self_*`` columns count a module call's own ops; ``subtree_*`` add its
 descendants. Summing ``self_backward_flops`` over all rows gives the executed
 backward FLOPs of the passes the tree covers. Backward columns are ``None``
@@ -168,8 +169,10 @@ def cost_tree(cap: Any, pass_: int | None = None) -> CostTree:
     for call in cap.grad_fn_calls:
         if call.pass_number not in timed:
             continue
-        op = call.grad_fn.op
-        target = by_address.get(op.module) if op is not None and op.module is not None else None
+        # A node belongs to its forward op's module call; AccumulateGrad to its
+        # parameter's; nodes built after the forward (the loss) to none.
+        module = call.grad_fn.module
+        target = by_address.get(module) if module is not None else None
         target = target or no_op
         target.backward_calls += 1
         if call.duration is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import weakref
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -61,7 +62,8 @@ class Run:
     closed: bool = False
 
 
-_participants: list[Participant] = []
+# Weak: a capture the user dropped stops taking part (and can be collected).
+_participants: list[weakref.ref] = []
 _runs_by_task: dict[int, Run] = {}
 _local = threading.local()
 _lock = threading.RLock()
@@ -76,14 +78,20 @@ def arm(participant: Participant) -> None:
     """Start routing engine runs to ``participant`` (installs the wrapper once)."""
     _torch.install_engine_wrapper(_make_wrapper)
     with _lock:
-        if participant not in _participants:
-            _participants.append(participant)
+        if participant not in _live_participants():
+            _participants.append(weakref.ref(participant))
 
 
 def disarm(participant: Participant) -> None:
     with _lock:
-        if participant in _participants:
-            _participants.remove(participant)
+        _participants[:] = [ref for ref in _participants if ref() is not None and ref() is not participant]
+
+
+def _live_participants() -> list[Participant]:
+    alive = [p for p in (ref() for ref in _participants) if p is not None]
+    if len(alive) != len(_participants):
+        _participants[:] = [weakref.ref(p) for p in alive]
+    return alive
 
 
 def _pending() -> list[Run]:
@@ -144,7 +152,7 @@ def _open_explicit_run(t_outputs, args, kwargs) -> Run | None:
         t_outputs = (t_outputs,)
     roots = root_nodes(t_outputs)
     with _lock:
-        participants = [p for p in list(_participants) if p.claim(roots)]
+        participants = [p for p in _live_participants() if p.claim(roots)]
     if not participants:
         return None
     retain_graph = _arg(args, kwargs, 1, "retain_graph", None)

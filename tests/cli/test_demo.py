@@ -1,0 +1,97 @@
+"""The demo's pieces on a tiny BERT, its HTML report in headless Chromium, and the real run."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from backlens.demo import DemoResult, mean_pool, run_similarity, token_section
+from backlens.report.profile import build_profile, html_report
+
+
+def tiny_bert():
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, vocab_size=50, max_position_embeddings=16)
+    model = transformers.BertModel(config).eval()
+    batch = {
+        "input_ids": torch.tensor([[2, 7, 9, 11, 3, 0], [2, 5, 6, 3, 0, 0]]),
+        "attention_mask": torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0]]),
+    }
+    tokens = [["[CLS]", "a", "b", "c", "[SEP]"], ["[CLS]", "d", "e", "[SEP]"]]
+    return model, batch, tokens
+
+
+def test_token_scores_are_gradient_times_input_of_the_word_embeddings():
+    model, batch, tokens = tiny_bert()
+    result = run_similarity(model, batch, tokens)
+
+    kept = {}
+    handle = model.embeddings.word_embeddings.register_forward_hook(
+        lambda m, i, out: kept.setdefault("out", out) if out.retain_grad() is None else None
+    )
+    hidden = model(**batch).last_hidden_state
+    handle.remove()
+    pooled = mean_pool(hidden, batch["attention_mask"])
+    torch.nn.functional.cosine_similarity(pooled[0:1], pooled[1:2]).sum().backward()
+    reference = (kept["out"].grad * kept["out"]).sum(-1)
+    assert result.token_scores[0] == reference[0, :5].tolist()
+    assert result.token_scores[1] == reference[1, :4].tolist()
+    assert len(result.capture.passes) == 1
+
+
+def _chromium() -> str:
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert found, "headless Chromium is needed for this test: apt-get install chromium (.ci/run does it)"
+    return found
+
+
+def _chromium_args(user_dir: Path) -> list[str]:
+    return ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync",
+            f"--user-data-dir={user_dir}"]
+
+
+def test_the_html_report_renders_tables_and_bars_in_headless_chromium(tmp_path):
+    model, batch, tokens = tiny_bert()
+    result: DemoResult = run_similarity(model, batch, tokens)
+    profile = build_profile(result.capture, "tiny demo")
+    profile.extra.append(token_section(result))
+    page = html_report(profile).write(str(tmp_path / "report.html"))
+
+    chromium = _chromium()
+    dom = subprocess.run([chromium, *_chromium_args(tmp_path / "profile"), "--dump-dom", f"file://{page}"],
+                         capture_output=True, text=True, timeout=120).stdout
+    assert dom.count("<table>") == 3
+    assert dom.count("<tr>") > 10
+    assert dom.count("<rect") >= 2 and "<svg" in dom
+    assert "[CLS]" in dom and "background:rgba(" in dom.replace(" ", "")
+    shot = tmp_path / "report.png"
+    subprocess.run([chromium, *_chromium_args(tmp_path / "profile2"), f"--screenshot={shot}",
+                    "--window-size=1200,1600", f"file://{page}"], capture_output=True, timeout=120)
+    assert shot.stat().st_size > 20_000
+
+
+@pytest.mark.slow
+def test_the_real_demo_runs_on_minilm_and_writes_a_bundle_and_a_report(tmp_path):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", COLUMNS="160")
+    done = subprocess.run([sys.executable, "-m", "backlens.cli", "demo", "--out", str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    for title in ("Which tokens move the similarity", "Backward profile per module",
+                  "costliest node types", "Backward passes", "backward/forward FLOP ratio"):
+        assert title in done.stdout
+    assert (tmp_path / "demo.bundle" / "manifest.json").is_file()
+    assert (tmp_path / "demo.html").read_text().count("<table>") == 3
+    shown = subprocess.run([sys.executable, "-m", "backlens.cli", "show", str(tmp_path / "demo.bundle")],
+                           capture_output=True, text=True, env=env, timeout=300)
+    assert shown.returncode == 0 and "355" in shown.stdout
