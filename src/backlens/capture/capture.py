@@ -9,6 +9,7 @@ import torch
 
 from backlens import _torch
 from backlens.capture.backward import BackwardRecorder, PassState
+from backlens.capture.failures import FailureTranslator
 from backlens.capture.forward import (
     ActivationPolicy,
     ForwardJournal,
@@ -24,7 +25,6 @@ from backlens.cost.journal import CostJournal
 from backlens.cost.observer import FlopObserver
 from backlens.edits import as_interventions
 from backlens.errors import (
-    BacklensError,
     BackwardUnavailableError,
     CaptureClosedError,
     UnsupportedInputError,
@@ -51,12 +51,6 @@ from backlens.records.forward import (
     ParamRecord,
 )
 from backlens.records.grads import GradRecord
-from backlens.report.explain import (
-    FailureContext,
-    explain,
-    explain_once_only,
-    nonfinite_explanation,
-)
 
 
 def capture(
@@ -232,10 +226,10 @@ class Capture:
             grad_fn_record=lambda i: self._grad_fn_records[i],
             on_pass_closed=self._on_pass_closed,
         )
-        self._saved_fingerprints: dict[int, list[tuple]] = {}
+        self._failures = FailureTranslator(self)
         self._backward.detect_nonfinite = detect_nonfinite
-        self._backward.nonfinite_error = self._nonfinite_error
-        self._backward._preflight = self._refuse_once_only_rerun
+        self._backward.nonfinite_error = self._failures.nonfinite_error
+        self._backward._preflight = self._failures.refuse_once_only_rerun
         self._cost = cost if cost is not None else CostJournal()
         if flops:
             self._backward.observers.append(FlopObserver(self._backward, self._cost))
@@ -391,9 +385,7 @@ class Capture:
             for i in inputs_by_node.get(node, ()):
                 self._node_of_input[i] = (index, self._input_tensors[i].output_nr)
             if entry.is_custom:
-                fingerprint = _saved_fingerprint(node)
-                if fingerprint is not None:
-                    self._saved_fingerprints[index] = fingerprint
+                self._failures.remember_saved(node)
             self._grad_fn_records.append(
                 GradFn(
                     index=index,
@@ -448,7 +440,7 @@ class Capture:
                 entry = self._backward.calls[i]
                 built[i].flops, built[i].recompute_flops = entry.flops, entry.recompute_flops
         if error is not None:
-            return self._translate(state, error)
+            return self._failures.translate(state, error)
         run = state.run
         if error is None and run.trigger in ("torch.autograd.grad",) and run.inputs and not state.policy.saves_nothing:
             results = state.result if isinstance(state.result, (tuple, list)) else ()
@@ -457,59 +449,6 @@ class Capture:
                 if position is not None and isinstance(result, torch.Tensor):
                     self._extra_input_grads.append((position, GradRecord(result, state.record.number)))
         return None
-
-    def _translate(self, state: PassState, error: BaseException) -> BaseException | None:
-        """Re-raise an autograd error in model terms (None leaves it untouched)."""
-        if isinstance(error, BacklensError):
-            return None
-        context = FailureContext(
-            pass_number=state.record.number,
-            failed_node=self._grad_fn_records[state.failed_node] if state.failed_node is not None else None,
-            earlier_passes=[s.record for s in self._backward.passes if s.record.number < state.record.number],
-            ops=self._ops,
-            grad_fns=self._grad_fn_records,
-            changed_saved=self._changed_saved_tensors(),
-        )
-        translated = explain(error, context).error()
-        if translated is not None:
-            state.record.error = translated
-        return translated
-
-    def _refuse_once_only_rerun(self, state: PassState) -> BaseException | None:
-        """Before a pass over a retained graph: a node that freed its own saved
-        tensors would fail with a misleading shape error, or crash the process."""
-        if not self._saved_fingerprints or state.record.number == 1:
-            return None
-        changed = self._changed_saved_tensors()
-        if not changed:
-            return None
-        context = FailureContext(
-            pass_number=state.record.number,
-            grad_fns=self._grad_fn_records,
-            changed_saved=changed,
-        )
-        label = next(iter(changed))
-        original = f"{label}: saved tensors changed since the forward ({changed[label]})"
-        explanation = explain_once_only(original, context, before_running=True)
-        error = explanation.error() if explanation is not None else None
-        if error is not None:
-            state.record.error = error
-        return error
-
-    def _changed_saved_tensors(self) -> dict[str, str]:
-        changed = {}
-        for index, before in self._saved_fingerprints.items():
-            if index >= len(self._table.nodes):
-                continue
-            now = _saved_fingerprint(self._table.nodes[index])
-            if now is not None and now != before:
-                diffs = [f"saved tensor {i}: shape {tuple(b[0])} -> {tuple(a[0])}, storage {b[1]} -> {a[1]} bytes"
-                         for i, (b, a) in enumerate(zip(before, now)) if a != b]
-                changed[self._table.entries[index].label] = "; ".join(diffs)
-        return changed
-
-    def _nonfinite_error(self, index: int, state: PassState, bad: str) -> BaseException:
-        return nonfinite_explanation(self._grad_fn_records[index], state.record.number, bad).error()
 
     def _input_position(self, tensor: Any) -> int | None:
         for i, candidate in enumerate(self._input_tensors):
@@ -772,6 +711,7 @@ class Capture:
         self._backward.close_stale()
         self._backward.remove_hooks()
         self._table.clear()
+        self._failures.forget()
         self._model = None
         self._rerun = None
         for op in self._journal.ops:
@@ -798,18 +738,6 @@ class Capture:
             f"<Capture {state}: {len(self._journal.ops)} ops, {len(self._journal.module_calls)} module calls, "
             f"{len(self._backward.passes)} backward passes>"
         )
-
-
-def _saved_fingerprint(node: Any) -> list[tuple] | None:
-    """Shapes and storage sizes of a custom node's saved tensors (None if unreadable)."""
-    try:
-        saved = node.saved_tensors
-    except RuntimeError:
-        return None
-    return [
-        (tuple(t.shape), t.untyped_storage().nbytes()) if isinstance(t, torch.Tensor) else (None, None)
-        for t in saved
-    ]
 
 
 def _inference_cause(grad_mode: tuple[bool, bool], params: dict, inputs: list) -> str:

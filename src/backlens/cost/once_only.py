@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from backlens import _torch
+from backlens.graph.discovery import walk_new
 
 Fingerprint = tuple[tuple[int, ...] | None, int | None]
 
@@ -44,19 +45,7 @@ class OnceOnlyNode:
 
 def walk(roots: list[Any]) -> list[Any]:
     """Every node reachable from ``roots`` through ``next_functions``."""
-    seen: set[Any] = set()
-    order: list[Any] = []
-    stack = [r for r in roots if r is not None]
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        order.append(node)
-        for child, _nr in getattr(node, "next_functions", ()):
-            if child is not None and child not in seen:
-                stack.append(child)
-    return order
+    return walk_new(roots, lambda node: False)[0]
 
 
 def _fingerprint(value: Any) -> Fingerprint | None:

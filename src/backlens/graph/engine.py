@@ -1,7 +1,8 @@
 """Backward engine runs: which captures a run belongs to, and its pass per capture.
 
 ``torch.autograd.backward``, ``Tensor.backward`` and ``torch.autograd.grad``
-all end in ``_engine_run_backward``. backlens wraps it once per process (the
+all end in one engine entry point of ``torch.autograd.graph``. backlens wraps it
+once per process through ``_torch.install_engine_wrapper`` (the
 only global state that outlives a capture); with no capture armed the wrapper
 is a pass-through. A run started elsewhere is found by the engine's graph-task
 id when one of a capture's hooks first fires, and becomes an *implicit* run,
@@ -107,7 +108,7 @@ def set_trigger_override(name: str | None) -> None:
 
 
 def _make_wrapper(original):
-    def _engine_run_backward(t_outputs, *args, **kwargs):
+    def run_engine(t_outputs, *args, **kwargs):
         if not _participants:
             return original(t_outputs, *args, **kwargs)
         run = _open_explicit_run(t_outputs, args, kwargs)
@@ -136,7 +137,7 @@ def _make_wrapper(original):
         close_run(run, None, result)
         return result
 
-    return _engine_run_backward
+    return run_engine
 
 
 def _forget(run: Run, pending: list[Run]) -> None:
