@@ -32,25 +32,15 @@ from backlens.errors import (
 from backlens.graph import engine
 from backlens.graph.table import NodeTable, Pairing
 from backlens.io.disk_store import make_store
-from backlens.records.backward import (
-    GRAD_FN_COLUMNS,
-    CallList,
-    GradFn,
-    GradFnCall,
-    PassList,
-)
-from backlens.records.base import RecordList, label_not_found
+from backlens.records.backward import GradFn, GradFnCall
 from backlens.records.forward import (
-    INPUT_COLUMNS,
-    MODULE_COLUMNS,
-    OP_COLUMNS,
-    PARAM_COLUMNS,
     InputRecord,
     ModuleCallRecord,
     OpRecord,
     ParamRecord,
 )
 from backlens.records.grads import GradRecord
+from backlens.records.view import RecordView
 
 
 def capture(
@@ -151,7 +141,7 @@ def _named_inputs(args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
     return unique
 
 
-class Capture:
+class Capture(RecordView):
     """A recorded forward and the backward passes run over its graph."""
 
     def __init__(
@@ -536,82 +526,34 @@ class Capture:
         if not self._closed and not self.inference_only:
             self._backward.discover_forward()
 
-    # -- public records ----------------------------------------------------
-    @property
-    def ops(self) -> RecordList[OpRecord]:
-        """Forward ops, by position or label (``cap.ops["linear_2"]``)."""
-        lst = RecordList(self._ops, lambda r: r.label, OpRecord.row, OP_COLUMNS)
-        lst.kind = "op"
-        return lst
+    # -- record lists (RecordView turns them into the public lists) ------------
+    def _op_list(self) -> list[OpRecord]:
+        return self._ops
 
-    @property
-    def modules(self) -> RecordList[ModuleCallRecord]:
-        """Module calls, by position or address (``"encoder.layer.0"``, ``"...:2"``)."""
-        lst = RecordList(self._modules, lambda r: r.address, ModuleCallRecord.row, MODULE_COLUMNS)
-        lst.kind = "module call"
-        return lst
+    def _module_list(self) -> list[ModuleCallRecord]:
+        return self._modules
 
-    @property
-    def params(self) -> RecordList[ParamRecord]:
-        lst = RecordList(self._records()[2], lambda r: r.name, ParamRecord.row, PARAM_COLUMNS)
-        lst.kind = "parameter"
-        return lst
+    def _param_list(self) -> list[ParamRecord]:
+        return self._records()[2]
 
-    @property
-    def inputs(self) -> RecordList[InputRecord]:
-        lst = RecordList(self._records()[3], lambda r: r.name, InputRecord.row, INPUT_COLUMNS)
-        lst.kind = "input"
-        return lst
+    def _input_list(self) -> list[InputRecord]:
+        return self._records()[3]
 
-    @property
-    def grad_fns(self) -> RecordList[GradFn]:
-        """One record per distinct autograd node of the captured graph."""
+    def _grad_fn_list(self) -> list[GradFn]:
         self._discover()
-        lst = RecordList(self._grad_fn_records, lambda r: r.label, GradFn.row, GRAD_FN_COLUMNS)
-        lst.kind = "grad_fn"
-        return lst
+        return self._grad_fn_records
 
-    @property
-    def grad_fn_calls(self) -> CallList:
-        """Every fire of every node, by position or ``"label:k"``."""
+    def _call_list(self) -> list[GradFnCall]:
         self._backward.close_stale()
-        return CallList(self._calls())
+        return self._calls()
 
-    @property
-    def passes(self) -> PassList:
+    def _pass_list(self) -> list:
         self._backward.close_stale()
         records = []
         for state in self._backward.passes:
             state.record._source = self
             records.append(state.record)
-        return PassList(records)
-
-    @property
-    def last_pass(self):
-        passes = self.passes
-        return passes[len(passes) - 1] if len(passes) else None
-
-    def __getitem__(self, label: str) -> Any:
-        for records, key in (
-            (self._ops, "label"),
-            (self._modules, "address"),
-        ):
-            for record in records:
-                if getattr(record, key) == label:
-                    return record
-        for record in self.grad_fns:
-            if record.label == label:
-                return record
-        found = self.grad_fn_calls.get(label)
-        if found is not None:
-            return found
-        labels = [r.label for r in self._ops] + [r.address for r in self._modules]
-        labels += [r.label for r in self._grad_fn_records]
-        raise label_not_found("record", label, labels)
-
-    def to_pandas(self):
-        """The ops table (``grad`` is None and ``num_saved_grads`` says why when ambiguous)."""
-        return self.ops.to_pandas()
+        return records
 
     # -- backward ----------------------------------------------------------
     def backward(self, loss: torch.Tensor | None = None, *, save_grads: Any = None, **backward_kwargs: Any) -> None:

@@ -27,26 +27,15 @@ from backlens.cost.journal import CostJournal
 from backlens.errors import BackwardUnavailableError, BundleError
 from backlens.io.codec import decode
 from backlens.io.shards import ShardReader, TensorEntry
-from backlens.records.backward import (
-    GRAD_FN_COLUMNS,
-    BackwardPass,
-    CallList,
-    GradFn,
-    GradFnCall,
-    PassList,
-)
-from backlens.records.base import RecordList, label_not_found
+from backlens.records.backward import BackwardPass, GradFn, GradFnCall
 from backlens.records.forward import (
-    INPUT_COLUMNS,
-    MODULE_COLUMNS,
-    OP_COLUMNS,
-    PARAM_COLUMNS,
     InputRecord,
     ModuleCallRecord,
     OpRecord,
     ParamRecord,
 )
 from backlens.records.grads import GradRecord
+from backlens.records.view import RecordView
 
 
 class TensorIndex:
@@ -67,7 +56,7 @@ class TensorIndex:
         return found
 
 
-class LoadedCapture:
+class LoadedCapture(RecordView):
     """A capture read from a bundle (``bl.load(path)``); see the module docstring."""
 
     def __init__(self, path: Path, manifest: dict[str, Any], tensors: TensorIndex):
@@ -175,69 +164,27 @@ class LoadedCapture:
     def _pass_calls(self, number: int) -> list[GradFnCall]:
         return [self._calls[i] for i in self._calls_of_pass.get(number, ())]
 
-    # -- public records (as on a live Capture) -------------------------------
-    @property
-    def ops(self) -> RecordList[OpRecord]:
-        lst = RecordList(self._ops, lambda r: r.label, OpRecord.row, OP_COLUMNS)
-        lst.kind = "op"
-        return lst
+    # -- record lists (RecordView turns them into the public lists) ------------
+    def _op_list(self) -> list[OpRecord]:
+        return self._ops
 
-    @property
-    def modules(self) -> RecordList[ModuleCallRecord]:
-        lst = RecordList(self._modules, lambda r: r.address, ModuleCallRecord.row, MODULE_COLUMNS)
-        lst.kind = "module call"
-        return lst
+    def _module_list(self) -> list[ModuleCallRecord]:
+        return self._modules
 
-    @property
-    def params(self) -> RecordList[ParamRecord]:
-        lst = RecordList(self._params, lambda r: r.name, ParamRecord.row, PARAM_COLUMNS)
-        lst.kind = "parameter"
-        return lst
+    def _param_list(self) -> list[ParamRecord]:
+        return self._params
 
-    @property
-    def inputs(self) -> RecordList[InputRecord]:
-        lst = RecordList(self._inputs, lambda r: r.name, InputRecord.row, INPUT_COLUMNS)
-        lst.kind = "input"
-        return lst
+    def _input_list(self) -> list[InputRecord]:
+        return self._inputs
 
-    @property
-    def grad_fns(self) -> RecordList[GradFn]:
-        lst = RecordList(self._grad_fns, lambda r: r.label, GradFn.row, GRAD_FN_COLUMNS)
-        lst.kind = "grad_fn"
-        return lst
+    def _grad_fn_list(self) -> list[GradFn]:
+        return self._grad_fns
 
-    @property
-    def grad_fn_calls(self) -> CallList:
-        return CallList(self._calls)
+    def _call_list(self) -> list[GradFnCall]:
+        return self._calls
 
-    @property
-    def passes(self) -> PassList:
-        return PassList(self._passes)
-
-    @property
-    def last_pass(self) -> BackwardPass | None:
-        return self._passes[-1] if self._passes else None
-
-    def __getitem__(self, label: str) -> Any:
-        for record in self._ops:
-            if record.label == label:
-                return record
-        for record in self._modules:
-            if record.address == label:
-                return record
-        for record in self._grad_fns:
-            if record.label == label:
-                return record
-        found = self.grad_fn_calls.get(label)
-        if found is not None:
-            return found
-        labels = [r.label for r in self._ops] + [r.address for r in self._modules]
-        labels += [r.label for r in self._grad_fns]
-        raise label_not_found("record", label, labels)
-
-    def to_pandas(self):
-        """The ops table, as ``Capture.to_pandas``."""
-        return self.ops.to_pandas()
+    def _pass_list(self) -> list[BackwardPass]:
+        return self._passes
 
     # -- read-only -----------------------------------------------------------
     def backward(self, *args: Any, **kwargs: Any) -> None:
