@@ -378,3 +378,19 @@ def test_a_dropped_capture_is_collected_and_stops_taking_part():
     assert ref() is None
     loss.backward()  # hooks left on the graph do nothing once their capture is gone
     assert model.net[0].weight.grad is not None
+
+
+def test_a_capture_fed_by_another_captures_output_records_the_same_run():
+    first = bl.capture(MLP(), torch.randn(2, 6))
+    second = bl.capture(nn.Sequential(nn.Linear(3, 2)), first.output)
+    loss_of(second.output).backward()
+    assert (len(first.passes), len(second.passes)) == (1, 1)
+    assert first.passes[0].trigger == second.passes[0].trigger == "Tensor.backward"
+    assert {c.grad_fn.type for c in first.passes[0].calls} >= {"AddmmBackward0", "AccumulateGrad"}
+
+
+def test_many_live_captures_each_record_only_their_own_backward():
+    captures = [bl.capture(MLP(), torch.randn(2, 6)) for _ in range(5)]
+    for cap in captures:
+        loss_of(cap.output).backward()
+    assert [len(c.passes) for c in captures] == [1] * 5

@@ -93,6 +93,19 @@ CAPABILITIES: tuple[Capability, ...] = (
 )
 
 
+_disable_torch_function = getattr(torch._C, "DisableTorchFunction", None)
+
+
+def torch_function_disabled():
+    """A context in which torch function modes do not see calls (our own bookkeeping
+    reads of ``.grad_fn``, ``.shape`` between ops would otherwise go through them)."""
+    if _disable_torch_function is None:
+        from contextlib import nullcontext
+
+        return nullcontext()
+    return _disable_torch_function()
+
+
 def sequence_nr_function() -> Callable[[], int]:
     """The raw sequence-number reader, for hot paths (returns 0 when unavailable)."""
     return _get_sequence_nr if _get_sequence_nr is not None else (lambda: 0)

@@ -164,20 +164,24 @@ class BackwardRecorder:
             self._pre_hooked.add(node)
         self._handles.append(node.register_hook(partial(_post_hook, self._self_ref, index)))
 
-    def claim(self, roots: list[Any]) -> bool:
-        """Whether a run from ``roots`` touches this capture's graph (discovers loss nodes)."""
+    def claim(self, roots: list[Any], others: list[BackwardRecorder] = ()) -> bool:
+        """Whether a run from ``roots`` touches this capture's graph (discovers loss nodes).
+
+        The walk stops at nodes of ``others`` (other live captures, already
+        discovered), so a backward over another capture's graph costs a walk of
+        its loss nodes only. A graph reached only through another capture's is
+        joined when one of our nodes fires (``engine.pass_for``).
+        """
         if not self.armed:
             return False
         self.discover_forward()
-        found, reached = walk_new(roots, self.table.knows)
-        entries = self.table.entries
-        index_of = self.table.index_of
-        owned = any(not _torch.is_accumulate_grad(node) for node in reached)
-        if not owned:
-            for node in reached:  # a leaf-only touch counts when it is one of our inputs
-                if entries[index_of[node]].source is not None and entries[index_of[node]].param is None:
-                    owned = True
-                    break
+        knows = self.table.knows
+
+        def is_known(node: Any) -> bool:
+            return knows(node) or any(other.owns_non_leaf(node) for other in others)
+
+        found, reached = walk_new(roots, is_known)
+        owned = any(self.owns_non_leaf(node) for node in reached)
         if owned:
             self._add(found)
         return owned

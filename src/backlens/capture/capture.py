@@ -656,10 +656,7 @@ class Capture(RecordView):
         self._failures.forget()
         self._model = None
         self._rerun = None
-        for op in self._journal.ops:
-            op.output_node = None
-        for call in self._journal.module_calls:
-            call.output_node = None
+        self._journal.drop_nodes()
         self._closed = True
         finish = getattr(self._store, "finish", None)
         try:

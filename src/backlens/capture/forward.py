@@ -12,16 +12,13 @@ records are built from the journal when read.
 
 from __future__ import annotations
 
+import threading
 from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.nn.modules.module import (
-    register_module_forward_hook,
-    register_module_forward_pre_hook,
-)
 from torch.overrides import TorchFunctionMode
 
 from backlens import _torch
@@ -168,6 +165,17 @@ class ForwardJournal:
                     best = call
         return best
 
+    def drop_nodes(self) -> None:
+        """Release every autograd node the journal holds (without building op entries)."""
+        for op in self._ops:
+            op.output_node = None
+        raw = self.raw_ops
+        for i in range(len(self._ops), len(raw)):
+            if raw[i][8] is not None:
+                raw[i] = (*raw[i][:8], None, *raw[i][9:])
+        for call in self.module_calls:
+            call.output_node = None
+
     def in_forward(self, seq: int) -> bool:
         return (
             self.seq_start is not None
@@ -219,7 +227,7 @@ class ForwardRecorder(TorchFunctionMode):
         self._module_stack: list[int] = []
         self._module_call_counts: dict[str, int] = {}
         self._addresses: dict[int, str] = {}
-        self._handles: list[Any] = []
+        self._original_call: Callable[..., Any] | None = None
         self._raw = journal.raw_ops
         # May replace a module call's output (activation edits on module addresses).
         self.module_output_hook: Callable[[ModuleCallEntry, Any], Any] | None = None
@@ -229,24 +237,50 @@ class ForwardRecorder(TorchFunctionMode):
         self.journal.sources.append(Source(kind, name))
         self._ids[id(tensor)] = -len(self.journal.sources)
 
-    # -- module hooks ----------------------------------------------------
+    # -- module calls ------------------------------------------------------
     def attach(self, model: torch.nn.Module) -> None:
+        """Watch the model's module calls until ``detach``.
+
+        Forward hooks, local or global, push every module call onto
+        ``nn.Module``'s slow call path (several microseconds a call). Instead the
+        class's ``_call_impl`` is wrapped for the forward only (restored by
+        ``detach``); modules keep their fast path and other threads' and other
+        models' module calls pass straight through.
+        """
         modules = list(model.named_modules())
         self._addresses = {id(module): address for address, module in modules}
         self.journal.module_types = {address: type(module).__name__ for address, module in modules}
-        self._handles.append(register_module_forward_pre_hook(self._module_pre))
-        self._handles.append(register_module_forward_hook(self._module_post, always_call=True))
+        self._original_call = torch.nn.Module._call_impl
+        torch.nn.Module._call_impl = self._make_call_impl(self._original_call, threading.get_ident())
 
     def detach(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        if self._original_call is not None:
+            torch.nn.Module._call_impl = self._original_call
+            self._original_call = None
         self._module_stack.clear()
 
-    def _module_pre(self, module, args):
-        address = self._addresses.get(id(module))
-        if address is None:
-            return None
+    def _make_call_impl(self, original: Callable[..., Any], thread: int):
+        addresses = self._addresses
+        pre, post = self._module_pre, self._module_post
+        get_ident = threading.get_ident
+        quiet = _torch.torch_function_disabled
+
+        def _call_impl(module, *args, **kwargs):
+            address = addresses.get(id(module))
+            if address is None or get_ident() != thread:
+                return original(module, *args, **kwargs)
+            pre(module, address)
+            try:
+                output = original(module, *args, **kwargs)
+            except BaseException:
+                self._module_stack.pop()
+                raise
+            with quiet():
+                return post(output)
+
+        return _call_impl
+
+    def _module_pre(self, module, address: str) -> None:
         journal = self.journal
         stack = self._module_stack
         number = self._module_call_counts.get(address, 0) + 1
@@ -265,18 +299,11 @@ class ForwardRecorder(TorchFunctionMode):
             journal.module_calls[parent].children.append(call.index)
         journal.module_calls.append(call)
         stack.append(call.index)
-        return None
 
-    def _module_post(self, module, args, output):
-        stack = self._module_stack
-        if not stack or id(module) not in self._addresses:
-            return None
-        call = self.journal.module_calls[stack.pop()]
-        replaced = None
+    def _module_post(self, output: Any) -> Any:
+        call = self.journal.module_calls[self._module_stack.pop()]
         if self.module_output_hook is not None:
-            edited = self.module_output_hook(call, output)
-            if edited is not output:
-                output = replaced = edited
+            output = self.module_output_hook(call, output)
         call.seq_end = _sequence_nr()
         call.op_end = len(self._raw)
         first = output if isinstance(output, Tensor) else _first_tensor(output)
@@ -286,7 +313,7 @@ class ForwardRecorder(TorchFunctionMode):
             if node is not None:
                 call.output_node = node
                 call.output_nr = first.output_nr
-        return replaced
+        return output
 
     # -- ops (hot path) ----------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -366,9 +393,28 @@ def _collect(items: Any, ids: dict[int, int], parents: list[int]) -> None:
             _collect(item, ids, parents)
 
 
-def _first_tensor(value: Any) -> Tensor | None:
-    for tensor in iter_tensors(value):
-        return tensor
+def _first_tensor(value: Any, depth: int = 3) -> Tensor | None:
+    """The first tensor in a module output (breadth before depth, shallow: runs per module call)."""
+    if isinstance(value, Tensor):
+        return value
+    if depth == 0:
+        return None
+    if isinstance(value, (tuple, list)):
+        items = value
+    elif hasattr(value, "values") and hasattr(value, "keys"):
+        try:
+            items = list(value.values())
+        except Exception:  # noqa: BLE001 - objects with a broken values() are not containers
+            return None
+    else:
+        return None
+    for item in items:
+        if isinstance(item, Tensor):
+            return item
+    for item in items:
+        found = _first_tensor(item, depth - 1)
+        if found is not None:
+            return found
     return None
 
 

@@ -40,7 +40,8 @@ class CallSite:
 class Participant(Protocol):
     """What a capture's backward recorder offers the engine router."""
 
-    def claim(self, roots: list[Any]) -> bool: ...
+    def discover_forward(self) -> None: ...
+    def claim(self, roots: list[Any], others: list[Any]) -> bool: ...
     def open_pass(self, run: Run) -> Any: ...
     def close_pass(self, backward_pass: Any, error: BaseException | None) -> None: ...
     def owns_non_leaf(self, node: Any) -> bool: ...
@@ -153,7 +154,10 @@ def _open_explicit_run(t_outputs, args, kwargs) -> Run | None:
         t_outputs = (t_outputs,)
     roots = root_nodes(t_outputs)
     with _lock:
-        participants = [p for p in _live_participants() if p.claim(roots)]
+        live = _live_participants()
+        for participant in live:
+            participant.discover_forward()
+        participants = [p for p in live if p.claim(roots, [q for q in live if q is not p])]
     if not participants:
         return None
     retain_graph = _arg(args, kwargs, 1, "retain_graph", None)
@@ -250,7 +254,8 @@ def pass_for(participant: Participant, task_id: int, node: Any) -> Any:
             _runs_by_task[task_id] = run
             _torch.queue_engine_callback(lambda: _close_implicit(run))
         found = run.passes.get(participant)
-        if found is None and not run.explicit and participant.owns_non_leaf(node):
+        if found is None and participant.owns_non_leaf(node):
+            # Our graph, reached only through another capture's: join the run.
             found = run.passes[participant] = participant.open_pass(run)
         return found
 
