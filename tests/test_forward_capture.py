@@ -170,15 +170,19 @@ def test_a_forward_that_raises_propagates_unchanged_and_leaves_nothing_behind():
             raise ValueError("boom in forward")
 
     model = Broken()
+    original_call = torch.nn.Module._call_impl
     with pytest.raises(ValueError, match="boom in forward"):
         bl.capture(model, torch.randn(1, 2))
     assert _hook_counts(model) == 0
     assert not torch.overrides._is_torch_function_mode_enabled()
+    assert torch.nn.Module._call_impl is original_call
 
 
 def test_close_removes_every_hook_and_mode():
     model = MLP()
+    original_call = torch.nn.Module._call_impl
     with bl.capture(model, torch.randn(2, 6)) as cap:
+        assert torch.nn.Module._call_impl is original_call  # patched during the forward only
         loss_of(cap.output).backward(retain_graph=True)
         node = cap.grad_fns[0]
         assert node.calls

@@ -227,7 +227,6 @@ class ForwardRecorder(TorchFunctionMode):
         self._module_stack: list[int] = []
         self._module_call_counts: dict[str, int] = {}
         self._addresses: dict[int, str] = {}
-        self._original_call: Callable[..., Any] | None = None
         self._raw = journal.raw_ops
         # May replace a module call's output (activation edits on module addresses).
         self.module_output_hook: Callable[[ModuleCallEntry, Any], Any] | None = None
@@ -239,46 +238,35 @@ class ForwardRecorder(TorchFunctionMode):
 
     # -- module calls ------------------------------------------------------
     def attach(self, model: torch.nn.Module) -> None:
-        """Watch the model's module calls until ``detach``.
+        """Watch the model's module calls in this thread until ``detach``.
 
         Forward hooks, local or global, push every module call onto
-        ``nn.Module``'s slow call path (several microseconds a call). Instead the
-        class's ``_call_impl`` is wrapped for the forward only (restored by
-        ``detach``); modules keep their fast path and other threads' and other
-        models' module calls pass straight through.
+        ``nn.Module``'s slow call path (several microseconds a call). Instead
+        ``nn.Module._call_impl`` is wrapped while any capture is recording (see
+        ``_ModuleCalls``); modules keep their fast path, and other threads' and
+        other models' module calls pass straight through.
         """
         modules = list(model.named_modules())
         self._addresses = {id(module): address for address, module in modules}
         self.journal.module_types = {address: type(module).__name__ for address, module in modules}
-        self._original_call = torch.nn.Module._call_impl
-        torch.nn.Module._call_impl = self._make_call_impl(self._original_call, threading.get_ident())
+        _MODULE_CALLS.push(self)
 
     def detach(self) -> None:
-        if self._original_call is not None:
-            torch.nn.Module._call_impl = self._original_call
-            self._original_call = None
+        _MODULE_CALLS.pop(self)
         self._module_stack.clear()
 
-    def _make_call_impl(self, original: Callable[..., Any], thread: int):
-        addresses = self._addresses
-        pre, post = self._module_pre, self._module_post
-        get_ident = threading.get_ident
-        quiet = _torch.torch_function_disabled
-
-        def _call_impl(module, *args, **kwargs):
-            address = addresses.get(id(module))
-            if address is None or get_ident() != thread:
-                return original(module, *args, **kwargs)
-            pre(module, address)
-            try:
-                output = original(module, *args, **kwargs)
-            except BaseException:
-                self._module_stack.pop()
-                raise
-            with quiet():
-                return post(output)
-
-        return _call_impl
+    def module_call(self, original: Callable[..., Any], module: Any, args: tuple, kwargs: dict) -> Any:
+        address = self._addresses.get(id(module))
+        if address is None:
+            return original(module, *args, **kwargs)
+        self._module_pre(module, address)
+        try:
+            output = original(module, *args, **kwargs)
+        except BaseException:
+            self._module_stack.pop()
+            raise
+        with _torch.torch_function_disabled():
+            return self._module_post(output)
 
     def _module_pre(self, module, address: str) -> None:
         journal = self.journal
@@ -381,6 +369,53 @@ class ForwardRecorder(TorchFunctionMode):
     def finish(self) -> None:
         """Drop the forward-time lookup tables (after the forward)."""
         self._ids = {}
+
+
+class _ModuleCalls:
+    """The one wrapper of ``nn.Module._call_impl``, installed while any capture records.
+
+    Each thread has a stack of recording captures (innermost last); a module
+    call in a thread with none goes straight to torch's own ``_call_impl``. The
+    original is restored when the last capture detaches.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_thread: dict[int, list[ForwardRecorder]] = {}
+        self._original: Callable[..., Any] | None = None
+
+    def push(self, recorder: ForwardRecorder) -> None:
+        with self._lock:
+            self._by_thread.setdefault(threading.get_ident(), []).append(recorder)
+            if self._original is None:
+                self._original = torch.nn.Module._call_impl
+                torch.nn.Module._call_impl = self._make_wrapper(self._original)
+
+    def pop(self, recorder: ForwardRecorder) -> None:
+        with self._lock:
+            for thread, stack in list(self._by_thread.items()):
+                if recorder in stack:
+                    stack.remove(recorder)
+                if not stack:
+                    del self._by_thread[thread]
+            if not self._by_thread and self._original is not None:
+                torch.nn.Module._call_impl = self._original
+                self._original = None
+
+    def _make_wrapper(self, original: Callable[..., Any]):
+        by_thread = self._by_thread
+        get_ident = threading.get_ident
+
+        def _call_impl(module, *args, **kwargs):
+            stack = by_thread.get(get_ident())
+            if not stack:
+                return original(module, *args, **kwargs)
+            return stack[-1].module_call(original, module, args, kwargs)
+
+        return _call_impl
+
+
+_MODULE_CALLS = _ModuleCalls()
 
 
 def _collect(items: Any, ids: dict[int, int], parents: list[int]) -> None:
