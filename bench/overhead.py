@@ -14,8 +14,8 @@ no more than the saved gradients' bytes + 10% (peak RSS, one fresh process per v
 from __future__ import annotations
 
 import argparse
+import gc
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -100,20 +100,44 @@ def time_rounds(plain, others, rounds: int) -> dict[str, float]:
     }
 
 
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
 def peak_memory_child(variant: str) -> None:
-    """Runs in a fresh process: one fwd+bwd, prints peak RSS growth and saved bytes."""
+    """Runs in a fresh process: one fwd+bwd, prints peak RSS growth over the RSS before it.
+
+    Linux's peak-RSS mark (VmHWM) is reset right before the step (clear_refs 5),
+    so imports and model construction do not hide the step's own peak.
+    RSS is a coarse measure (the allocator keeps freed pages), so the plain and
+    captured steps are each the first step of a fresh process.
+    """
     torch.set_num_threads(1)
     model, ids = make_model()
-    model(ids)  # warm the allocator with a forward alone
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    saved = 0
-    if variant == "plain":
-        model(ids).logits.sum().backward()
-    else:
+
+    def step():
+        if variant == "plain":
+            model(ids).logits.sum().backward()
+            return 0, None
         cap = bl.capture(model, ids, flops=False, save_grads=True)
         cap.output.logits.sum().backward()
-        saved = saved_grad_bytes(cap)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return saved_grad_bytes(cap), cap
+
+    # Warm imports and lazy inits on a tiny capture only: a warm step would leave its
+    # freed memory resident and hide the measured step's growth.
+    tiny = bl.capture(torch.nn.Linear(2, 2), torch.randn(1, 2, requires_grad=True), save_grads=True)
+    tiny.output.sum().backward()
+    tiny.close()
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")
+    base = _status_kib("VmRSS") * 1024
+    saved, cap = step()
+    peak = _status_kib("VmHWM") * 1024
     print(json.dumps({"growth": peak - base, "saved": saved}))
 
 
