@@ -183,3 +183,14 @@ def test_unedited_ops_get_no_extra_autograd_nodes():
     plain.output.sum().backward()
     armed.output.sum().backward()
     assert [g.type for g in plain.grad_fns] == [g.type for g in armed.grad_fns]
+
+
+def test_edit_applications_round_trip_through_a_bundle(tmp_path):
+    model, x = model_and_input()
+    intervene = bl.when(bl.grad("relu_1"), bl.scale(2)) | bl.when("linear_1", bl.scale(0.5))
+    cap = bl.capture(model, x, intervene=intervene)
+    loss_fn(cap.output).backward()
+    cap.save(tmp_path / "bundle")
+    loaded = bl.load(tmp_path / "bundle")
+    assert loaded.passes[0].edits == cap.passes[0].edits
+    assert loaded.forward_edits == cap.forward_edits and len(cap.forward_edits) == 1

@@ -107,6 +107,7 @@ class LoadedCapture(RecordView):
         ]
         self._calls = [make(GradFnCall, d, grad_fn=self._grad_fns[d["grad_fn"]]) for d in manifest["calls"]]
         self._passes = [make(BackwardPass, d) for d in manifest["passes"]]
+        self._forward_edits = [decode(a, get) for a in manifest.get("forward_edits", [])]
         self._calls_of_node: list[list[int]] = [[] for _ in self._grad_fns]
         self._calls_of_pass: dict[int, list[int]] = {p.number: [] for p in self._passes}
         for position, call in enumerate(self._calls):
@@ -185,6 +186,11 @@ class LoadedCapture(RecordView):
 
     def _pass_list(self) -> list[BackwardPass]:
         return self._passes
+
+    @property
+    def forward_edits(self) -> list:
+        """The activation edits applied in the captured forward (as on the live capture)."""
+        return list(self._forward_edits)
 
     # -- read-only -----------------------------------------------------------
     def backward(self, *args: Any, **kwargs: Any) -> None:

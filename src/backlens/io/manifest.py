@@ -119,6 +119,7 @@ def build(capture: Any, refs: Refs) -> dict[str, Any]:
         "inputs": [record_fields(i, refs) for i in inputs],
         "grad_fns": encoded_nodes,
         "passes": [record_fields(p, refs) for p in passes],
+        "forward_edits": [encode(a, refs.tensor) for a in getattr(capture, "forward_edits", [])],
         "calls": encoded_calls,
         "grad_slots": grad_slots(capture, refs),
         "cost": cost_section(capture, refs),
