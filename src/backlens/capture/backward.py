@@ -31,7 +31,7 @@ _task_id = _torch.current_graph_task_id
 _sequence_nr = _torch.sequence_nr
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class CallEntry:
     """One journalled fire of one node."""
 
@@ -209,7 +209,10 @@ class BackwardRecorder:
             create_graph=run.create_graph,
             save_grads_policy=policy,
         )
-        sides = [policy.sides(self._grad_fn_record(i), number) for i in range(len(self.table))]
+        if isinstance(policy.spec, bool):
+            sides = [policy.sides(None, number)] * len(self.table)  # no per-node question to ask
+        else:
+            sides = [policy.sides(self._grad_fn_record(i), number) for i in range(len(self.table))]
         state = PassState(
             record=record,
             run=run,

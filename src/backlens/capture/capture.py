@@ -188,7 +188,7 @@ class Capture(RecordView):
         self._node_of_param: dict[str, int] = {}
         self._node_of_input: dict[int, tuple[int, int]] = {}
         self._extra_input_grads: list[tuple[int, GradRecord]] = []
-        self._grad_fn_records: list[GradFn] = []
+        self._grad_fn_cache: list[GradFn] = []
         self._call_records: list[GradFnCall] = []
 
         self._forward_records: tuple | None = None
@@ -327,10 +327,11 @@ class Capture(RecordView):
                 )
             return Pairing(source=source)
         if seq is not None and journal.in_forward(seq):
-            op = journal.op_for_sequence_nr(seq)
-            if op is not None:
-                return Pairing(op=op.index, module_call=op.module_call,
-                               module_source="paired" if op.module_call is not None else None)
+            op_index = journal.op_index_for_sequence_nr(seq)
+            if op_index is not None:
+                module_call = journal.module_call_of_op(op_index)
+                return Pairing(op=op_index, module_call=module_call,
+                               module_source="paired" if module_call is not None else None)
             op = journal.op_run_by_custom_node(seq) if _torch.is_custom_function_node(node) else None
             if op is not None:
                 # A custom Function's apply is invisible to the mode; its node lands
@@ -363,8 +364,8 @@ class Capture(RecordView):
             entry = table.entries[index]
             node = table.nodes[index]
             if entry.op is not None:
-                op_entry = journal.ops[entry.op]
-                if op_entry.output_node is None or op_entry.output_node is node:
+                output_node = journal.output_node_of_op(entry.op)
+                if output_node is None or output_node is node:
                     self._output_node_of_op.setdefault(entry.op, index)
             for call_index in by_output_node.get(node, ()):
                 self._output_node_of_module[call_index] = index
@@ -376,14 +377,24 @@ class Capture(RecordView):
                 self._node_of_input[i] = (index, self._input_tensors[i].output_nr)
             if entry.is_custom:
                 self._failures.remember_saved(node)
-            self._grad_fn_records.append(
+
+        if self._grad_edits_pending:
+            self._arm_grad_edits()
+
+    @property
+    def _grad_fn_records(self) -> list[GradFn]:
+        """GradFn records of every discovered node, built on first read."""
+        cache = self._grad_fn_cache
+        entries = self._table.entries
+        calls = self._journal.module_calls
+        for entry in entries[len(cache):]:
+            cache.append(
                 GradFn(
-                    index=index,
+                    index=entry.index,
                     label=entry.label,
                     type=entry.type,
                     op=self._ops[entry.op] if entry.op is not None else None,
-                    module=journal.module_calls[entry.module_call].address
-                    if entry.module_call is not None else None,
+                    module=calls[entry.module_call].address if entry.module_call is not None else None,
                     module_source=entry.module_source,
                     order=entry.order,
                     is_custom=entry.is_custom,
@@ -392,9 +403,7 @@ class Capture(RecordView):
                     _source=self,
                 )
             )
-
-        if self._grad_edits_pending:
-            self._arm_grad_edits()
+        return cache
 
     def _module_address_of(self, op: Any) -> str | None:
         calls = self._journal.module_calls

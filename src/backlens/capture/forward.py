@@ -129,16 +129,30 @@ class ForwardJournal:
             ))
         return ops[index]
 
-    def op_for_sequence_nr(self, seq: int) -> OpEntry | None:
-        """The op whose bracket contains ``seq`` (the op created that node)."""
+    def op_index_for_sequence_nr(self, seq: int) -> int | None:
+        """The index of the op whose bracket contains ``seq`` (the op created that node)."""
         if self._op_seq_starts is None or len(self._op_seq_starts) != len(self.raw_ops):
             self._op_seq_starts = [row[2] for row in self.raw_ops]
         pos = bisect_right(self._op_seq_starts, seq) - 1
         if pos >= 0:
             row = self.raw_ops[pos]
             if row[2] <= seq < row[3]:
-                return self.op(pos)
+                return pos
         return None
+
+    def op_for_sequence_nr(self, seq: int) -> OpEntry | None:
+        index = self.op_index_for_sequence_nr(seq)
+        return self.op(index) if index is not None else None
+
+    def module_call_of_op(self, index: int) -> int | None:
+        """The module call an op ran in (read without building op entries)."""
+        return self.raw_ops[index][1]
+
+    def output_node_of_op(self, index: int) -> Any:
+        """The node an op's output came from, when the op made several (else None)."""
+        if index < len(self._ops):
+            return self._ops[index].output_node
+        return self.raw_ops[index][8]
 
     def op_run_by_custom_node(self, seq: int) -> OpEntry | None:
         """The last op a custom Function's forward ran, for its node ``seq``.
@@ -147,7 +161,7 @@ class ForwardJournal:
         number before running forward under no_grad, so the ops of that forward
         make no node and sit at ``seq + 1``; the last of them made the output.
         """
-        self.op_for_sequence_nr(seq)  # refreshes the bracket index
+        self.op_index_for_sequence_nr(seq)  # refreshes the bracket index
         pos = bisect_right(self._op_seq_starts, seq + 1) - 1
         while pos >= 0 and self.raw_ops[pos][2] == seq + 1:
             if self.raw_ops[pos][3] == seq + 1:

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 _BACKWARD_SUFFIX = re.compile(r"Backward\d*$")
@@ -47,6 +48,7 @@ def op_name(func: object) -> str:
     return name or "op"
 
 
+@functools.lru_cache(maxsize=1024)
 def node_type_stem(type_name: str) -> str:
     """``AddmmBackward0`` -> ``addmm``; ``AccumulateGrad`` -> ``accumulategrad``."""
     stem = _BACKWARD_SUFFIX.sub("", type_name)
