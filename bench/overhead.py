@@ -1,7 +1,8 @@
 """Capture overhead against plain PyTorch, in the same process.
 
 Model: a 4-layer GPT-2 config (n_embd 256, 4 heads, vocab 1000), batch 4 x seq 64,
-one thread. Variants run in interleaved rounds; the median ratio to plain is printed.
+one thread. Variants run in interleaved rounds (shuffled each round); the median
+ratio to plain is printed.
 
     python bench/overhead.py [--rounds 30]
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import random
 import statistics
 import subprocess
 import sys
@@ -89,8 +91,11 @@ def time_rounds(plain, others, rounds: int) -> dict[str, float]:
         plain()
         for fn in others.values():
             fn()
+    order = [("plain", plain), *others.items()]
+    shuffle = random.Random(0).shuffle
     for _ in range(rounds):
-        for name, fn in [("plain", plain), *others.items()]:
+        shuffle(order)  # no variant always runs right after another
+        for name, fn in order:
             start = time.perf_counter()
             fn()
             samples[name].append(time.perf_counter() - start)

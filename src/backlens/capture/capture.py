@@ -79,10 +79,10 @@ def capture(
     )
     if armed.edits_module_outputs:
         recorder.module_output_hook = armed.module_hook
-    params = dict(model.named_parameters())
+    modules, params, buffers = _walk_model(model)
     for name, param in params.items():
         recorder.register_source(param, "param", name)
-    for name, buffer in model.named_buffers():
+    for name, buffer in buffers.items():
         recorder.register_source(buffer, "buffer", name)
     inputs = _named_inputs(args, kwargs)
     input_sources = []
@@ -92,7 +92,7 @@ def capture(
     grad_enabled = torch.is_grad_enabled()
     inference_mode = torch.is_inference_mode_enabled()
 
-    recorder.attach(model)
+    recorder.attach(modules)
     journal.seq_start = _torch.sequence_nr()
     try:
         with recorder:
@@ -124,6 +124,25 @@ def capture(
                                   timing=timing, backward=backward, detect_nonfinite=detect_nonfinite),
                intervene),
     )
+
+
+def _walk_model(model: torch.nn.Module) -> tuple[list, dict, dict]:
+    """Modules, parameters and buffers by name in one walk (names as ``named_parameters`` gives them)."""
+    modules = list(model.named_modules())
+    params: dict[str, torch.nn.Parameter] = {}
+    buffers: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for address, module in modules:
+        prefix = f"{address}." if address else ""
+        for name, param in module._parameters.items():
+            if param is not None and id(param) not in seen:
+                seen.add(id(param))
+                params[prefix + name] = param
+        for name, buffer in module._buffers.items():
+            if buffer is not None and id(buffer) not in seen:
+                seen.add(id(buffer))
+                buffers[prefix + name] = buffer
+    return modules, params, buffers
 
 
 def _named_inputs(args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:

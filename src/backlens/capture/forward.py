@@ -251,7 +251,7 @@ class ForwardRecorder(TorchFunctionMode):
         self._ids[id(tensor)] = -len(self.journal.sources)
 
     # -- module calls ------------------------------------------------------
-    def attach(self, model: torch.nn.Module) -> None:
+    def attach(self, modules: list[tuple[str, torch.nn.Module]]) -> None:
         """Watch the model's module calls in this thread until ``detach``.
 
         Forward hooks, local or global, push every module call onto
@@ -260,7 +260,6 @@ class ForwardRecorder(TorchFunctionMode):
         ``_ModuleCalls``); modules keep their fast path, and other threads' and
         other models' module calls pass straight through.
         """
-        modules = list(model.named_modules())
         self._addresses = {id(module): address for address, module in modules}
         self.journal.module_types = {address: type(module).__name__ for address, module in modules}
         _MODULE_CALLS.push(self)
