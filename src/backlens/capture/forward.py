@@ -28,7 +28,7 @@ Tensor = torch.Tensor
 _sequence_nr = _torch.sequence_nr_function()
 
 
-@dataclass
+@dataclass(slots=True)
 class OpEntry:
     """One forward op, as journalled."""
 
@@ -50,7 +50,7 @@ class OpEntry:
     activation: Tensor | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class ModuleCallEntry:
     """One call of one module, as journalled."""
 

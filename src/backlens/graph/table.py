@@ -19,7 +19,7 @@ from backlens.graph.labels import node_label, node_type_stem
 _NO_SEQUENCE = 2**63  # AccumulateGrad and friends carry UINT64_MAX
 
 
-@dataclass
+@dataclass(slots=True)
 class NodeEntry:
     """What backlens knows of one autograd node."""
 
@@ -36,7 +36,7 @@ class NodeEntry:
     source: int | None  # index into ForwardJournal.sources for AccumulateGrad of a source
 
 
-@dataclass
+@dataclass(slots=True)
 class Pairing:
     """How a node relates to the forward: filled in by the capture."""
 
