@@ -6,11 +6,6 @@ import linecache
 import re
 from pathlib import Path
 
-import pytest
-
-import backlens
-import backlens.live
-
 DOC = Path(__file__).resolve().parents[2] / "docs" / "live.md"
 
 
@@ -22,13 +17,7 @@ def test_docs_live_has_examples():
     assert len(python_blocks(DOC.read_text())) >= 5
 
 
-def test_every_example_in_docs_live_runs(monkeypatch, capsys):
-    pytest.importorskip("transformers")
-    # Until backlens/__init__.py re-exports the live names, give the examples
-    # the names API.md promises (a no-op once the package exports them).
-    for name in backlens.live.__all__:
-        if not hasattr(backlens, name):
-            monkeypatch.setattr(backlens, name, getattr(backlens.live, name), raising=False)
+def test_every_example_in_docs_live_runs(capsys):
     namespace: dict = {"__name__": "__docs__"}
     for number, block in enumerate(python_blocks(DOC.read_text())):
         # Like a notebook cell: the source is registered, so traces can read it.

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 import backlens.live as bl
-
-transformers = pytest.importorskip("transformers")
 
 
 def stock_layer_grads(model, layers, loss_fn, **inputs):
