@@ -336,13 +336,7 @@ class ForwardRecorder(TorchFunctionMode):
             return out
         ids = self._ids
         parents: list[int] = []
-        for arg in args:
-            if isinstance(arg, Tensor):
-                found = ids.get(id(arg))
-                if found is not None and found not in parents:
-                    parents.append(found)
-            elif isinstance(arg, (list, tuple)):
-                _collect(arg, ids, parents)
+        _collect(args, ids, parents)
         if kwargs:
             _collect(kwargs.values(), ids, parents)
         index = len(self._raw)
