@@ -79,6 +79,8 @@ class BackwardRecorder:
         on_nodes_added: Callable[[list[int]], None],
         grad_fn_record: Callable[[int], Any],
         on_pass_closed: Callable[[PassState, BaseException | None], BaseException | None],
+        failures: Any,
+        detect_nonfinite: bool = False,
     ):
         self.table = table
         self.policy = policy
@@ -107,9 +109,9 @@ class BackwardRecorder:
         self._next_policy: GradPolicy | None = None
         self.armed = False
         self.hooking = True
-        self.detect_nonfinite = False
-        self._preflight: Callable[[PassState], BaseException | None] | None = None
-        self.nonfinite_error: Callable[[int, PassState, str], BaseException] | None = None
+        # Explains refused and failed passes (capture/failures.py).
+        self._failures = failures
+        self.detect_nonfinite = detect_nonfinite
         self.pre_edits: dict[int, Callable[[tuple, PassState], tuple | None]] = {}
 
     # -- arming ----------------------------------------------------------
@@ -197,7 +199,7 @@ class BackwardRecorder:
     def use_policy_for_next_pass(self, policy: GradPolicy | None) -> None:
         self._next_policy = policy
 
-    def open_pass(self, run: engine.Run) -> BackwardPass:
+    def open_pass(self, run: engine.Run) -> PassState:
         policy = self._next_policy or self.policy
         self._next_policy = None
         number = len(self.passes) + 1
@@ -230,7 +232,7 @@ class BackwardRecorder:
 
     def preflight(self, state: PassState) -> BaseException | None:
         """An error to raise instead of running the engine (a node that cannot run again)."""
-        return self._preflight(state) if self._preflight is not None else None
+        return self._failures.refuse_once_only_rerun(state)
 
     def run_contexts(self, run: engine.Run) -> list[Any]:
         """Context managers to hold open around an explicit engine run."""
@@ -387,9 +389,7 @@ class BackwardRecorder:
             if not all(_finite(g) for g in grad_outputs):
                 return  # it arrived non-finite; the node that made it was reported or is upstream
             bad = "NaN" if torch.isnan(grad).any() else "Inf"
-            if self.nonfinite_error is not None:
-                raise self.nonfinite_error(index, state, bad)
-            raise FloatingPointError(f"non-finite gradient ({bad}) from node {index}")
+            raise self._failures.nonfinite_error(index, state, bad)
 
 
 def _pre_hook(ref: weakref.ref, index: int, grad_outputs: tuple) -> tuple | None:

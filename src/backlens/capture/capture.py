@@ -224,6 +224,7 @@ class Capture(RecordView):
         self._inference_cause = _inference_cause(forward_grad_mode, params, inputs)
 
         self._table = NodeTable(self._describe_node)
+        self._failures = FailureTranslator(self)
         roots = [t.grad_fn for t in output_tensors if t.grad_fn is not None]
         self._backward = BackwardRecorder(
             table=self._table,
@@ -234,11 +235,9 @@ class Capture(RecordView):
             on_nodes_added=self._on_nodes_added,
             grad_fn_record=lambda i: self._grad_fn_records[i],
             on_pass_closed=self._on_pass_closed,
+            failures=self._failures,
+            detect_nonfinite=detect_nonfinite,
         )
-        self._failures = FailureTranslator(self)
-        self._backward.detect_nonfinite = detect_nonfinite
-        self._backward.nonfinite_error = self._failures.nonfinite_error
-        self._backward._preflight = self._failures.refuse_once_only_rerun
         self._cost = cost if cost is not None else CostJournal()
         if flops:
             self._backward.observers.append(FlopObserver(self._backward, self._cost))

@@ -26,7 +26,7 @@ import torch
 
 from backlens.errors import BundleError
 from backlens.io import manifest as manifest_io
-from backlens.io.disk_store import MANIFEST, STREAM_MARKER, DiskStore, is_bundle_dir
+from backlens.io.disk_store import MANIFEST, STREAM_MARKER, DiskStore, check_target
 from backlens.io.loaded import LoadedCapture, TensorIndex
 from backlens.io.shards import DTYPES, ITEMSIZE, ShardWriter, TensorEntry, hash_file, read_header
 
@@ -85,7 +85,7 @@ def save(capture: Any, path: str | os.PathLike | None = None, *, overwrite: bool
             remedy="Pass a directory path: cap.save('runs/capture1').",
         )
     target = Path(path)
-    _check_target(target, overwrite)
+    check_target(target, overwrite)
     parent = target.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -138,23 +138,6 @@ def finish_stream(capture: Any, store: DiskStore) -> None:
 
 def _same_path(a: Any, b: Path) -> bool:
     return os.path.abspath(os.fspath(a)) == os.path.abspath(os.fspath(b))
-
-
-def _check_target(target: Path, overwrite: bool) -> None:
-    if not (target.exists() or target.is_symlink()):
-        return
-    if not target.is_dir():
-        raise BundleError(f"{target}: exists and is not a directory; a bundle is a directory.",
-                          code="bundle_not_a_directory", remedy="Choose a path that does not exist yet.")
-    if not any(target.iterdir()):
-        return  # an empty directory is as good as none
-    if not overwrite:
-        raise BundleError(f"{target}: already exists.", code="bundle_exists",
-                          remedy="Choose a new path, or pass overwrite=True to replace the bundle there.")
-    if not is_bundle_dir(target):
-        raise BundleError(f"{target}: exists and is not a backlens bundle; refusing to replace it.",
-                          code="bundle_not_a_bundle",
-                          remedy="Choose a new path; overwrite=True only replaces bundles.")
 
 
 def _move_into_place(temporary: Path, target: Path, overwrite: bool) -> None:

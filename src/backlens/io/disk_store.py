@@ -71,6 +71,29 @@ def make_store(storage: Any) -> Any:
     )
 
 
+def check_target(path: Path, overwrite: bool) -> bool:
+    """Whether writing a bundle at ``path`` must first remove the bundle there.
+
+    Raises BundleError when ``path`` is a file, a non-empty directory without
+    ``overwrite``, or a directory that is not a bundle (never replaced).
+    """
+    if not (path.exists() or path.is_symlink()):
+        return False
+    if not path.is_dir():
+        raise BundleError(f"{path}: exists and is not a directory; a bundle is a directory.",
+                          code="bundle_not_a_directory", remedy="Choose a path that does not exist yet.")
+    if not any(path.iterdir()):
+        return False  # an empty directory is as good as none
+    if not overwrite:
+        raise BundleError(f"{path}: already exists and is not empty.", code="bundle_exists",
+                          remedy="Choose a new path, or pass overwrite=True to replace the bundle there.")
+    if not is_bundle_dir(path):
+        raise BundleError(f"{path}: exists and is not a backlens bundle; refusing to replace it.",
+                          code="bundle_not_a_bundle",
+                          remedy="Choose a new path; overwrite=True only replaces bundles.")
+    return True
+
+
 def is_bundle_dir(path: Path) -> bool:
     """Whether ``path`` holds a backlens bundle or an unfinished ``to_disk`` stream."""
     if (path / STREAM_MARKER).is_file():
@@ -85,20 +108,8 @@ def is_bundle_dir(path: Path) -> bool:
 
 def prepare_directory(path: Path, overwrite: bool) -> None:
     """Make ``path`` an empty directory, or raise BundleError saying why not."""
-    if path.exists() or path.is_symlink():
-        if not path.is_dir():
-            raise BundleError(f"{path}: exists and is not a directory; a bundle is a directory.",
-                              code="bundle_not_a_directory",
-                              remedy="Choose a path that does not exist yet.")
-        if any(path.iterdir()):
-            if not overwrite:
-                raise BundleError(f"{path}: already exists and is not empty.", code="bundle_exists",
-                                  remedy="Choose a new path, or pass overwrite=True to replace an earlier bundle.")
-            if not is_bundle_dir(path):
-                raise BundleError(f"{path}: exists and is not a backlens bundle; refusing to replace it.",
-                                  code="bundle_not_a_bundle",
-                                  remedy="Choose a new path; overwrite=True only replaces bundles.")
-            shutil.rmtree(path)
+    if check_target(path, overwrite):
+        shutil.rmtree(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
         (path / STREAM_MARKER).write_text(json.dumps({"format": "backlens.bundle-stream"}))
