@@ -116,11 +116,6 @@ def sequence_nr() -> int | None:
     return _get_sequence_nr() if _get_sequence_nr is not None else None
 
 
-def current_autograd_node() -> torch.autograd.graph.Node | None:
-    """The autograd node the engine is executing on this thread, if any."""
-    return _current_autograd_node() if _current_autograd_node is not None else None
-
-
 def current_graph_task_id() -> int:
     """Id of the engine run executing on this thread; -1 outside the engine."""
     return _current_graph_task_id() if _current_graph_task_id is not None else -1

@@ -304,7 +304,7 @@ class Capture(RecordView):
         params = [
             ParamRecord(
                 name=name,
-                module=name.rsplit(".", 1)[0] if "." in name else "",
+                module=_owning_module(name),
                 shape=shape,
                 dtype=dtype,
                 requires_grad=requires_grad,
@@ -336,9 +336,8 @@ class Capture(RecordView):
                 return Pairing()
             kind, name = journal.sources[source].kind, journal.sources[source].name
             if kind == "param":
-                module_address = name.rsplit(".", 1)[0] if "." in name else ""
                 return Pairing(
-                    module_call=self._first_call_of_module.get(module_address),
+                    module_call=self._first_call_of_module.get(_owning_module(name)),
                     module_source="paired",
                     param=name,
                     source=source,
@@ -704,6 +703,11 @@ class Capture(RecordView):
             f"<Capture {state}: {len(self._journal.ops)} ops, {len(self._journal.module_calls)} module calls, "
             f"{len(self._backward.passes)} backward passes>"
         )
+
+
+def _owning_module(param_name: str) -> str:
+    """``encoder.layer.0.weight`` -> ``encoder.layer.0`` (the root module is ``""``)."""
+    return param_name.rpartition(".")[0]
 
 
 def _inference_cause(grad_mode: tuple[bool, bool], params: dict, inputs: list) -> str:

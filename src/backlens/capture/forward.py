@@ -140,10 +140,6 @@ class ForwardJournal:
                 return pos
         return None
 
-    def op_for_sequence_nr(self, seq: int) -> OpEntry | None:
-        index = self.op_index_for_sequence_nr(seq)
-        return self.op(index) if index is not None else None
-
     def module_call_of_op(self, index: int) -> int | None:
         """The module call an op ran in (read without building op entries)."""
         return self.raw_ops[index][1]

@@ -27,9 +27,6 @@ class EditApplication:
     norm_before: float
     norm_after: float
 
-    def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
 
 def _norm(tensor: torch.Tensor) -> float:
     return float(tensor.detach().float().norm())

@@ -13,17 +13,12 @@ Both run once per pass or forward, never per node fire.
 
 from __future__ import annotations
 
-import os
-import sys
 import warnings
 from typing import Any
 
-import torch
-
+from backlens._frames import user_frame
 from backlens.errors import BacklensWarning
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _CODE = "selector_matched_nothing"
 
 
@@ -79,17 +74,5 @@ def _short(names: list[str], limit: int = 12) -> str:
 
 
 def _warn(message: str) -> None:
-    warnings.warn(BacklensWarning(message, code=_CODE), stacklevel=_user_stacklevel())
-
-
-def _user_stacklevel() -> int:
-    """The stacklevel of the innermost frame outside backlens and torch (the user's line)."""
-    frame = sys._getframe(2)  # the caller of _warn
-    level = 2
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if not filename.startswith((_PACKAGE_DIR, _TORCH_DIR)) and not filename.startswith("<frozen"):
-            return level
-        frame = frame.f_back
-        level += 1
-    return 2
+    _frame, level = user_frame(1)  # level 1: the caller of _warn
+    warnings.warn(BacklensWarning(message, code=_CODE), stacklevel=level + 1)

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from backlens import _torch
+from backlens._frames import PACKAGE_DIR, TORCH_DIR, user_frame
 from backlens.graph.discovery import root_nodes
 
 
@@ -70,10 +71,6 @@ _runs_by_task: dict[int, Run] = {}
 _local = threading.local()
 _lock = threading.RLock()
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Files of the package that are user-level code (their lines are call sites).
-_USER_LEVEL = tuple(os.path.join(_PACKAGE_DIR, name) for name in ("demo.py",))
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 
 def arm(participant: Participant) -> None:
@@ -123,18 +120,19 @@ def _make_wrapper(original):
         pending = _pending()
         pending.append(run)
         try:
-            with ExitStack() as stack:
-                for participant in run.passes:
-                    for context in participant.run_contexts(run):
-                        stack.enter_context(context)
-                result = original(t_outputs, *args, **kwargs)
+            try:
+                with ExitStack() as stack:
+                    for participant in run.passes:
+                        for context in participant.run_contexts(run):
+                            stack.enter_context(context)
+                    result = original(t_outputs, *args, **kwargs)
+            finally:
+                _forget(run, pending)
         except BaseException as exc:
-            _forget(run, pending)
             replacement = close_run(run, exc)
             if replacement is not None and replacement is not exc:
                 raise replacement from exc
             raise
-        _forget(run, pending)
         close_run(run, None, result)
         return result
 
@@ -193,7 +191,7 @@ def _trigger_name(accumulate_grad: bool) -> str:
         code = frame.f_code
         if code.co_name == "backward" and code.co_filename.endswith(os.path.join("torch", "_tensor.py")):
             return "Tensor.backward"
-        if not code.co_filename.startswith((_TORCH_DIR, _PACKAGE_DIR)):
+        if not code.co_filename.startswith((TORCH_DIR, PACKAGE_DIR)):
             break
         frame = frame.f_back
     return "torch.autograd.backward"
@@ -201,14 +199,10 @@ def _trigger_name(accumulate_grad: bool) -> str:
 
 def user_call_site() -> CallSite | None:
     """The innermost frame outside torch and backlens."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        internal = filename.startswith((_TORCH_DIR, _PACKAGE_DIR)) and not filename.startswith(_USER_LEVEL)
-        if not internal and not filename.startswith("<frozen"):
-            return CallSite(filename, frame.f_lineno, frame.f_code.co_name)
-        frame = frame.f_back
-    return None
+    frame, _level = user_frame(1)
+    if frame is None:
+        return None
+    return CallSite(frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
 
 
 def close_run(run: Run, error: BaseException | None, result: Any = None) -> BaseException | None:
