@@ -10,12 +10,10 @@ import torch
 import torch.nn as nn
 
 import backlens as bl
-from models import MLP, SmallCNN, build, loss_of
+from models import MLP, SmallCNN, build, first_tensor, loss_of
 
 
 def node_types_reachable(output) -> Counter:
-    from models import first_tensor
-
     seen, stack, types = set(), [first_tensor(output).grad_fn], Counter()
     while stack:
         node = stack.pop()
@@ -270,3 +268,62 @@ def test_ops_table_has_one_row_per_op():
     assert {"func", "module", "shape", "grad", "num_saved_grads"} <= set(table.columns)
     assert len(cap.modules.to_pandas()) == len(cap.modules)
     assert list(cap.params.to_pandas()["name"]) == [n for n, _ in MLP().named_parameters()]
+
+
+def test_the_model_walk_names_modules_params_and_buffers_as_torch_does():
+    from backlens.capture.capture import _walk_model
+
+    shared = nn.Linear(3, 3)
+    model = nn.Sequential(shared, nn.BatchNorm1d(3), nn.Sequential(shared, nn.ReLU()), nn.Linear(3, 3))
+    model[3].weight = shared.weight  # a tied parameter under a second name
+    modules, params, buffers = _walk_model(model)
+    assert [(a, id(m)) for a, m in modules] == [(a, id(m)) for a, m in model.named_modules()]
+    assert [(n, id(p)) for n, p in params.items()] == [(n, id(p)) for n, p in model.named_parameters()]
+    assert [(n, id(b)) for n, b in buffers.items()] == [(n, id(b)) for n, b in model.named_buffers()]
+
+
+@pytest.mark.parametrize("options", [{}, {"flops": False, "save_grads": True}, {"backward": False}])
+def test_a_dropped_capture_frees_its_graph_without_the_garbage_collector(options):
+    import gc
+    import weakref
+
+    model = build("gpt2")[0]
+    ids = torch.randint(0, 64, (2, 8))
+    gc.disable()
+    try:
+        cap = bl.capture(model, ids, **options)
+        loss = loss_of(cap.output)
+        if options.get("backward", True):
+            loss.backward(retain_graph=True)
+        output = weakref.ref(first_tensor(cap.output))  # it holds the graph
+        del loss
+        cap.close()
+        dropped = weakref.ref(cap)
+        del cap
+        assert dropped() is None and output() is None  # reference counting alone freed both
+    finally:
+        gc.enable()
+
+
+def test_a_capture_dropped_without_close_leaves_the_engine_router_and_gradients_stock():
+    import gc
+
+    from backlens.graph import engine
+
+    model = MLP()
+    x = torch.randn(2, 6)
+    reference = copy.deepcopy(model)
+    loss_of(reference(x)).backward()
+    cap = bl.capture(model, x)
+    loss = loss_of(cap.output)
+    recorder = cap._backward
+    assert recorder in engine._live_participants()
+    gc.disable()
+    try:
+        del cap
+        assert recorder not in engine._live_participants() and not recorder.armed
+    finally:
+        gc.enable()
+    loss.backward()
+    for (name, param), stock in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(param.grad, stock.grad), name

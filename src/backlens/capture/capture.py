@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -80,15 +81,10 @@ def capture(
     if armed.edits_module_outputs:
         recorder.module_output_hook = armed.module_hook
     modules, params, buffers = _walk_model(model)
-    for name, param in params.items():
-        recorder.register_source(param, "param", name)
-    for name, buffer in buffers.items():
-        recorder.register_source(buffer, "buffer", name)
+    recorder.register_sources("param", params.items())
+    recorder.register_sources("buffer", buffers.items())
     inputs = _named_inputs(args, kwargs)
-    input_sources = []
-    for name, tensor in inputs:
-        recorder.register_source(tensor, "input", name)
-        input_sources.append(len(journal.sources) - 1)
+    input_sources = recorder.register_sources("input", inputs)
     grad_enabled = torch.is_grad_enabled()
     inference_mode = torch.is_inference_mode_enabled()
 
@@ -127,12 +123,24 @@ def capture(
 
 
 def _walk_model(model: torch.nn.Module) -> tuple[list, dict, dict]:
-    """Modules, parameters and buffers by name in one walk (names as ``named_parameters`` gives them)."""
-    modules = list(model.named_modules())
+    """Modules, parameters and buffers by name in one walk.
+
+    The order and names are those of ``named_modules`` / ``named_parameters``
+    (pre-order, a shared module or tensor under its first name); an explicit
+    stack because the generator chain costs more than the rest of the setup.
+    """
+    modules: list[tuple[str, torch.nn.Module]] = []
     params: dict[str, torch.nn.Parameter] = {}
     buffers: dict[str, torch.Tensor] = {}
+    seen_modules: set[int] = set()
     seen: set[int] = set()
-    for address, module in modules:
+    pending = [("", model)]
+    while pending:
+        address, module = pending.pop()
+        if id(module) in seen_modules:
+            continue
+        seen_modules.add(id(module))
+        modules.append((address, module))
         prefix = f"{address}." if address else ""
         for name, param in module._parameters.items():
             if param is not None and id(param) not in seen:
@@ -142,6 +150,9 @@ def _walk_model(model: torch.nn.Module) -> tuple[list, dict, dict]:
             if buffer is not None and id(buffer) not in seen:
                 seen.add(id(buffer))
                 buffers[prefix + name] = buffer
+        children = module._modules
+        if children:
+            pending.extend((prefix + name, child) for name, child in reversed(children.items()) if child is not None)
     return modules, params, buffers
 
 
@@ -223,8 +234,12 @@ class Capture(RecordView):
         self.inference_only = not any(t.requires_grad for t in output_tensors)
         self._inference_cause = _inference_cause(forward_grad_mode, params, inputs)
 
-        self._table = NodeTable(self._describe_node)
-        self._failures = FailureTranslator(self)
+        # The parts below call back into this capture through weak references: a
+        # capture without reference cycles is freed (with its graph) as soon as
+        # the user drops it, without waiting for the cyclic garbage collector.
+        me = weakref.proxy(self)
+        self._table = NodeTable(_weak_call(self, "_describe_node"))
+        self._failures = FailureTranslator(me)
         roots = [t.grad_fn for t in output_tensors if t.grad_fn is not None]
         self._backward = BackwardRecorder(
             table=self._table,
@@ -232,12 +247,14 @@ class Capture(RecordView):
             policy=grad_policy,
             timing=timing,
             store=self._store,
-            on_nodes_added=self._on_nodes_added,
-            grad_fn_record=lambda i: self._grad_fn_records[i],
-            on_pass_closed=self._on_pass_closed,
+            on_nodes_added=_weak_call(self, "_on_nodes_added"),
+            grad_fn_record=lambda i: me._grad_fn_records[i],
+            on_pass_closed=_weak_call(self, "_on_pass_closed"),
             failures=self._failures,
             detect_nonfinite=detect_nonfinite,
         )
+        # A dropped capture takes its hooks and its place in the engine router with it.
+        weakref.finalize(self, self._backward.remove_hooks).atexit = False
         self._cost = cost if cost is not None else CostJournal()
         if flops:
             self._backward.observers.append(FlopObserver(self._backward, self._cost))
@@ -449,13 +466,15 @@ class Capture(RecordView):
             self._backward.pre_edits[node] = self._armed.grad_edit(edits)
 
     def _on_pass_closed(self, state: PassState, error: BaseException | None) -> BaseException | None:
-        state.record._source = self
+        # A pass record reaches the capture once read (_pass_list); setting it here
+        # would make every capture a reference cycle.
         built = self._call_records
         for i in state.call_indices:  # records read while the pass ran get its FLOPs now
             if i < len(built):
                 entry = self._backward.calls[i]
                 built[i].flops, built[i].recompute_flops = entry.flops, entry.recompute_flops
         if error is not None:
+            self._pass_list()  # the explanation reads earlier passes' records
             return self._failures.translate(state, error)
         run = state.run
         if error is None and run.trigger in ("torch.autograd.grad",) and run.inputs and not state.policy.saves_nothing:
@@ -703,6 +722,17 @@ class Capture(RecordView):
             f"<Capture {state}: {len(self._journal.ops)} ops, {len(self._journal.module_calls)} module calls, "
             f"{len(self._backward.passes)} backward passes>"
         )
+
+
+def _weak_call(capture: Capture, method: str) -> Callable[..., Any]:
+    """``capture.<method>``, called through a weak reference (None once the capture is gone)."""
+    ref = weakref.ref(capture)
+
+    def call(*args: Any) -> Any:
+        target = ref()
+        return getattr(target, method)(*args) if target is not None else None
+
+    return call
 
 
 def _owning_module(param_name: str) -> str:

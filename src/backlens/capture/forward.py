@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 from bisect import bisect_right
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +26,7 @@ from backlens.graph.labels import op_name
 
 Tensor = torch.Tensor
 _sequence_nr = _torch.sequence_nr_function()
+_disable_torch_function = _torch.torch_function_disabled
 
 
 @dataclass(slots=True)
@@ -242,9 +243,15 @@ class ForwardRecorder(TorchFunctionMode):
         self.module_output_hook: Callable[[ModuleCallEntry, Any], Any] | None = None
 
     # -- sources ---------------------------------------------------------
-    def register_source(self, tensor: Tensor, kind: str, name: str) -> None:
-        self.journal.sources.append(Source(kind, name))
-        self._ids[id(tensor)] = -len(self.journal.sources)
+    def register_sources(self, kind: str, named: Iterable[tuple[str, Tensor]]) -> list[int]:
+        """Note tensors that exist before the forward; returns their source indices."""
+        sources = self.journal.sources
+        ids = self._ids
+        start = len(sources)
+        for name, tensor in named:
+            sources.append(Source(kind, name))
+            ids[id(tensor)] = -len(sources)
+        return list(range(start, len(sources)))
 
     # -- module calls ------------------------------------------------------
     def attach(self, modules: list[tuple[str, torch.nn.Module]]) -> None:
@@ -265,51 +272,42 @@ class ForwardRecorder(TorchFunctionMode):
         self._module_stack.clear()
 
     def module_call(self, original: Callable[..., Any], module: Any, args: tuple, kwargs: dict) -> Any:
+        """Journal one module call around torch's own ``_call_impl`` (runs per call: kept flat)."""
         address = self._addresses.get(id(module))
         if address is None:
             return original(module, *args, **kwargs)
-        self._module_pre(module, address)
-        try:
-            output = original(module, *args, **kwargs)
-        except BaseException:
-            self._module_stack.pop()
-            raise
-        with _torch.torch_function_disabled():
-            return self._module_post(output)
-
-    def _module_pre(self, module, address: str) -> None:
         journal = self.journal
+        calls = journal.module_calls
         stack = self._module_stack
-        number = self._module_call_counts.get(address, 0) + 1
-        self._module_call_counts[address] = number
+        counts = self._module_call_counts
+        number = counts.get(address, 0) + 1
+        counts[address] = number
+        index = len(calls)
         parent = stack[-1] if stack else None
         call = ModuleCallEntry(
-            index=len(journal.module_calls),
-            address=address if number == 1 else f"{address}:{number}",
-            module_address=address,
-            call_number=number,
-            parent=parent,
-            seq_start=_sequence_nr(),
-            op_start=len(self._raw),
+            index, address if number == 1 else f"{address}:{number}", address, number, parent,
+            _sequence_nr(), len(self._raw), [],
         )
         if parent is not None:
-            journal.module_calls[parent].children.append(call.index)
-        journal.module_calls.append(call)
-        stack.append(call.index)
-
-    def _module_post(self, output: Any) -> Any:
-        call = self.journal.module_calls[self._module_stack.pop()]
-        if self.module_output_hook is not None:
-            output = self.module_output_hook(call, output)
-        call.seq_end = _sequence_nr()
-        call.op_end = len(self._raw)
-        first = output if isinstance(output, Tensor) else _first_tensor(output)
-        if first is not None:
-            call.output_shape = tuple(first.shape)
-            node = first.grad_fn
-            if node is not None:
-                call.output_node = node
-                call.output_nr = first.output_nr
+            calls[parent].children.append(index)
+        calls.append(call)
+        stack.append(index)
+        try:
+            output = original(module, *args, **kwargs)
+        finally:
+            stack.pop()
+        with _disable_torch_function():
+            if self.module_output_hook is not None:
+                output = self.module_output_hook(call, output)
+            call.seq_end = _sequence_nr()
+            call.op_end = len(self._raw)
+            first = output if isinstance(output, Tensor) else _first_tensor(output)
+            if first is not None:
+                call.output_shape = tuple(first.shape)
+                node = first.grad_fn
+                if node is not None:
+                    call.output_node = node
+                    call.output_nr = first.output_nr
         return output
 
     # -- ops (hot path) ----------------------------------------------------

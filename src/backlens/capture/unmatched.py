@@ -14,6 +14,7 @@ Both run once per pass or forward, never per node fire.
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any
 
 from backlens._frames import user_frame
@@ -26,7 +27,7 @@ class UnmatchedSelectorWarner:
     """Pass observer for a capture's :class:`BackwardRecorder` (see ``observers``)."""
 
     def __init__(self, recorder: Any):
-        self._recorder = recorder
+        self._recorder_ref = weakref.ref(recorder)  # the recorder holds its observers
 
     def on_pass_open(self, state: Any) -> None:
         return None
@@ -39,11 +40,12 @@ class UnmatchedSelectorWarner:
         scope = getattr(spec, "pass_scope", None)
         if scope is not None and scope(number) is False:
             return
-        calls = self._recorder.calls
+        recorder = self._recorder_ref()
+        calls = recorder.calls
         fired = [calls[i] for i in state.call_indices]
         if any(c.grad_inputs is not None or c.grad_outputs is not None for c in fired):
             return
-        entries = self._recorder.table.entries
+        entries = recorder.table.entries
         types = sorted({entries[c.node].type for c in fired})
         seen = f" Node types that ran: {_short(types)}." if types else " No node of this capture ran."
         _warn(

@@ -18,13 +18,14 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.utils.flop_counter import flop_registry, sdpa_flop_count
+from torch.utils.flop_counter import flop_registry
 
 aten = torch.ops.aten
+# The registry's shape-level formulas, unwrapped: the registered ``addmm``,
+# ``baddbmm`` and ``sdpa_flop_count`` call the *wrapped* ``mm``/``bmm``, whose
+# pytree walk costs more than the count and leaves cyclic garbage per call.
 _mm = flop_registry[aten.mm].__wrapped__
 _bmm = flop_registry[aten.bmm].__wrapped__
-_addmm = flop_registry[aten.addmm].__wrapped__
-_baddbmm = flop_registry[aten.baddbmm].__wrapped__
 
 
 def _arg(args: tuple, kwargs: dict | None, position: int, name: str) -> Any:
@@ -43,10 +44,10 @@ def _linear(args: tuple, kwargs: dict | None, out: Any) -> int:
     return _mm((prod(x.shape) // features if features else 0, features), (features, weight.shape[0]))
 
 
-def _three(formula: Callable[..., int], names: tuple[str, str, str]) -> Callable[[tuple, dict | None, Any], int]:
+def _plus_product(formula: Callable[..., int], names: tuple[str, str, str]) -> Callable[[tuple, dict | None, Any], int]:
+    """``addmm``/``baddbmm``: the count of the product of the last two arguments (as the registry's)."""
     def count(args: tuple, kwargs: dict | None, out: Any) -> int:
-        shapes = [_arg(args, kwargs, i, name).shape for i, name in enumerate(names)]
-        return formula(*shapes, out_shape=out.shape)
+        return formula(_arg(args, kwargs, 1, names[1]).shape, _arg(args, kwargs, 2, names[2]).shape)
 
     return count
 
@@ -61,22 +62,26 @@ def _two(formula: Callable[..., int]) -> Callable[[tuple, dict | None, Any], int
 
 
 def _attention(args: tuple, kwargs: dict | None, out: Any) -> int:
+    """``sdpa_flop_count`` (two batched matmuls, grouped-query heads allowed), with its checks."""
     query, key, value = (_arg(args, kwargs, i, name) for i, name in enumerate(("query", "key", "value")))
     shapes = [tuple(t.shape) for t in (query, key, value)]
     if all(len(s) == 3 for s in shapes):
         shapes = [(1, *s) for s in shapes]
     if any(len(s) != 4 for s in shapes):
         raise ValueError("attention with other than 3 or 4 dimensions")
-    return sdpa_flop_count(*shapes)  # asserts the shapes fit a fused kernel; else: replay
+    (b, h_q, s_q, d_q), (b_k, h_kv, s_k, d_k), (b_v, h_v, s_v, d_v) = shapes
+    if not (b == b_k == b_v and h_kv == h_v and d_q == d_k and s_k == s_v) or h_q < h_kv or h_q % h_kv:
+        raise ValueError("attention shapes no fused kernel takes")  # replayed instead
+    return _bmm((b * h_q, s_q, d_q), (b * h_q, d_q, s_k)) + _bmm((b * h_q, s_q, s_k), (b * h_q, s_k, d_v))
 
 
 #: torch-level function -> ``count(args, kwargs, out) -> int`` (raises when unsure).
 SHAPE_COUNTS: dict[Any, Callable[[tuple, dict | None, Any], int]] = {
     F.linear: _linear,
-    torch.addmm: _three(_addmm, ("input", "mat1", "mat2")),
-    torch.Tensor.addmm: _three(_addmm, ("input", "mat1", "mat2")),
-    torch.baddbmm: _three(_baddbmm, ("input", "batch1", "batch2")),
-    torch.Tensor.baddbmm: _three(_baddbmm, ("input", "batch1", "batch2")),
+    torch.addmm: _plus_product(_mm, ("input", "mat1", "mat2")),
+    torch.Tensor.addmm: _plus_product(_mm, ("input", "mat1", "mat2")),
+    torch.baddbmm: _plus_product(_bmm, ("input", "batch1", "batch2")),
+    torch.Tensor.baddbmm: _plus_product(_bmm, ("input", "batch1", "batch2")),
     torch.mm: _two(_mm),
     torch.Tensor.mm: _two(_mm),
     torch.bmm: _two(_bmm),

@@ -10,6 +10,7 @@ dict says so.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from backlens.cost.census import BackwardCensus
@@ -21,10 +22,24 @@ _dispatch_modes_warm = False
 
 def _warm_dispatch_modes() -> None:
     """Torch imports torch._dynamo (about a second) the first time any dispatch
-    mode is entered; pay it here, once, rather than inside a timed pass."""
+    mode is entered; pay it here, once, rather than inside a timed pass.
+
+    It runs on a short-lived thread because that first entry keeps its calling
+    frames alive for good; on the user's thread those would pin the capture
+    being built (and its graph) for the life of the process.
+    """
     global _dispatch_modes_warm
     if _dispatch_modes_warm:
         return
+    import threading
+
+    worker = threading.Thread(target=_enter_a_dispatch_mode, name="backlens-warm-dispatch")
+    worker.start()
+    worker.join()
+    _dispatch_modes_warm = True
+
+
+def _enter_a_dispatch_mode() -> None:
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -34,7 +49,6 @@ def _warm_dispatch_modes() -> None:
 
     with _Warm():
         torch.zeros(1).add_(1)
-    _dispatch_modes_warm = True
 
 
 class FlopObserver:
@@ -42,7 +56,7 @@ class FlopObserver:
 
     def __init__(self, recorder: Any, journal: CostJournal):
         _warm_dispatch_modes()
-        self._recorder = recorder
+        self._recorder_ref = weakref.ref(recorder)  # the recorder holds its observers
         self._journal = journal
         self._census: dict[int, BackwardCensus] = {}
 
@@ -50,7 +64,7 @@ class FlopObserver:
         return None
 
     def run_context(self, run: Any) -> BackwardCensus | None:
-        state = run.passes.get(self._recorder)
+        state = run.passes.get(self._recorder_ref())
         if state is None:
             return None
         census = BackwardCensus(create_graph=run.create_graph)
@@ -60,11 +74,12 @@ class FlopObserver:
     def on_pass_close(self, state: Any, error: BaseException | None) -> None:
         number = state.record.number
         census = self._census.pop(number, None)
-        calls = [self._recorder.calls[i] for i in state.call_indices]
+        recorder = self._recorder_ref()
+        calls = [recorder.calls[i] for i in state.call_indices]
         reason = no_count_reason(census, state.run.trigger, state.run.explicit, error)
         if reason is not None:
             for entry in calls:
                 entry.flops = entry.recompute_flops = None
             self._journal.passes.append(uncounted(number, reason))
             return
-        self._journal.passes.append(settle(census, number, calls, self._recorder.table))
+        self._journal.passes.append(settle(census, number, calls, recorder.table))

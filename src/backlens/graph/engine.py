@@ -216,6 +216,8 @@ def close_run(run: Run, error: BaseException | None, result: Any = None) -> Base
         translated = participant.close_pass(backward_pass, error)
         if translated is not None and raised is error:
             raised = translated
+    # Each pass keeps its run; the run need not keep its passes (no cycle to collect).
+    run.passes.clear()
     return raised
 
 
