@@ -397,3 +397,32 @@ def test_many_live_captures_each_record_only_their_own_backward():
     for cap in captures:
         loss_of(cap.output).backward()
     assert [len(c.passes) for c in captures] == [1] * 5
+
+
+def _node_facts(cap):
+    return [(g.label, g.type, g.op.label if g.op else None, g.module, g.module_source, g.order, g.param)
+            for g in cap.grad_fns]
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt2"])
+def test_records_first_read_after_close_equal_records_read_while_open(name):
+    model, args, kwargs = build(name)
+    read_open = bl.capture(model, *args, save_grads=True, **kwargs)
+    loss_of(read_open.output).backward()
+    expected_nodes = _node_facts(read_open)
+    expected_op_grads = {op.label: op.grad for op in read_open.ops if op.grads}
+    expected_module_grads = {m.address: m.output_grad for m in read_open.modules}
+    read_open.close()
+    model.zero_grad()
+
+    read_closed = bl.capture(model, *args, save_grads=True, **kwargs)
+    loss_of(read_closed.output).backward()
+    read_closed.close()  # nothing was read before: the records are built from what close kept
+    assert _node_facts(read_closed) == expected_nodes
+    op_grads = {op.label: op.grad for op in read_closed.ops if op.grads}
+    assert op_grads.keys() == expected_op_grads.keys()
+    for label, grad in expected_op_grads.items():
+        assert torch.equal(op_grads[label], grad), label
+    for address, grad in expected_module_grads.items():
+        got = read_closed.modules[address].output_grad
+        assert (got is None and grad is None) or torch.equal(got, grad), address

@@ -1,13 +1,22 @@
 """Backward recording: node discovery, per-fire hooks, passes and the call journal.
 
-Every node of the capture's graph gets one pre-hook and one post-hook. A fire
-is journalled as a :class:`CallEntry` (node, pass, ordinal, timing, the
-gradients the pass's policy keeps); records are built from the journal when
-read. Hooks never change gradients unless an edit is armed for that node.
+Every node of the capture's graph gets a pre-hook; a post-hook is added only
+while some pass may keep the gradients a node sends on (``grad_inputs``) or
+non-finite gradients are watched. A fire is journalled as a :class:`CallEntry`
+(node, pass, ordinal, timing, the gradients the pass's policy keeps); records
+are built from the journal when read. Hooks never change gradients unless an
+edit is armed for that node.
+
+A fire starts at its pre-hook and ends when the engine starts the next node
+on the same thread for the same run (or when the run ends). Its duration
+therefore includes the engine routing the node's outputs to the nodes that
+consume them (summing gradients that arrive from several paths); per thread,
+the durations of a pass's fires add up to the time the engine spent in it.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from bisect import bisect_right
@@ -29,6 +38,7 @@ from backlens.records.backward import BackwardPass
 _now = time.perf_counter_ns
 _task_id = _torch.current_graph_task_id
 _sequence_nr = _torch.sequence_nr
+_thread = threading.get_ident
 
 
 @dataclass(eq=False, slots=True)
@@ -102,10 +112,12 @@ class BackwardRecorder:
         self._on_pass_closed = on_pass_closed
         self._handles: list[Any] = []
         self._pre_hooked: set[Any] = set()
+        self._post_hooked = False
         self._forward_discovered = False
         self._task: int | None = None
         self._pass: PassState | None = None
-        self._starts: dict[int, tuple[int, int | None]] = {}
+        # The fire still running (or whose outputs the engine is routing), per (run, thread).
+        self._open: dict[tuple[int, int], CallEntry] = {}
         self._next_policy: GradPolicy | None = None
         self.armed = False
         self.hooking = True
@@ -138,8 +150,9 @@ class BackwardRecorder:
             handle.remove()
         self._handles.clear()
         self._pre_hooked.clear()
+        self._post_hooked = False
         self._output_roots = []
-        self._starts.clear()
+        self._open.clear()
 
     # -- discovery -------------------------------------------------------
     def discover_forward(self) -> None:
@@ -151,20 +164,37 @@ class BackwardRecorder:
 
     def _add(self, found: list[Any]) -> list[int]:
         added = self.table.add(found)
-        for index in added:
-            self.node_calls.append([])
-            node = self.table.nodes[index]
-            if self.hooking:
-                self._hook(node, index)
+        node_calls = self.node_calls
+        nodes = self.table.nodes
+        if self.hooking:
+            if self._post_hooked is False and self._needs_post_hooks(self.policy):
+                self._post_hooked = True
+            handles = self._handles
+            pre_hooked = self._pre_hooked
+            ref = self._self_ref
+            for index in added:
+                node_calls.append([])
+                node = nodes[index]
+                if node not in pre_hooked:
+                    handles.append(node.register_prehook(partial(_pre_hook, ref, index)))
+                if self._post_hooked:
+                    handles.append(node.register_hook(partial(_post_hook, ref, index)))
+        else:
+            node_calls.extend([] for _ in added)
         if added:
             self._on_nodes_added(added)
         return added
 
-    def _hook(self, node: Any, index: int) -> None:
-        if node not in self._pre_hooked:
-            self._handles.append(node.register_prehook(partial(_pre_hook, self._self_ref, index)))
-            self._pre_hooked.add(node)
-        self._handles.append(node.register_hook(partial(_post_hook, self._self_ref, index)))
+    def _needs_post_hooks(self, policy: GradPolicy) -> bool:
+        """Whether fires must also be seen after the node ran (for the gradients it sends on)."""
+        return self.detect_nonfinite or not policy.saves_nothing
+
+    def _add_post_hooks(self) -> None:
+        """A pass that may keep outgoing gradients, after discovery without post-hooks."""
+        self._post_hooked = True
+        ref = self._self_ref
+        for index, node in enumerate(self.table.nodes):
+            self._handles.append(node.register_hook(partial(_post_hook, ref, index)))
 
     def claim(self, roots: list[Any], others: list[BackwardRecorder] = ()) -> bool:
         """Whether a run from ``roots`` touches this capture's graph (discovers loss nodes).
@@ -192,8 +222,10 @@ class BackwardRecorder:
         index = self.table.index_of.get(node)
         if index is None:
             return False
+        if self.table.types[index] != "AccumulateGrad":
+            return True
         entry = self.table.entries[index]
-        return entry.type != "AccumulateGrad" or (entry.source is not None and entry.param is None)
+        return entry.source is not None and entry.param is None  # an input's, not a (shared) parameter's
 
     # -- passes ----------------------------------------------------------
     def use_policy_for_next_pass(self, policy: GradPolicy | None) -> None:
@@ -211,6 +243,8 @@ class BackwardRecorder:
             create_graph=run.create_graph,
             save_grads_policy=policy,
         )
+        if self.hooking and not self._post_hooked and self._needs_post_hooks(policy) and self.table.nodes:
+            self._add_post_hooks()
         if isinstance(policy.spec, bool):
             sides = [policy.sides(None, number)] * len(self.table)  # no per-node question to ask
         else:
@@ -251,19 +285,29 @@ class BackwardRecorder:
         record = state.record
         if record.status != "running":
             return None
-        record.duration = (_now() - state.start_ns) / 1e9
+        end = _now()
+        record.duration = (end - state.start_ns) / 1e9
         record.status = "failed" if error is not None else "ok"
-        if error is not None and self._starts:
-            # The node whose pre-hook ran without its post-hook is the one that raised.
-            state.failed_node = max(self._starts, key=lambda i: self._starts[i][0])
-            self._starts.clear()
+        still_open = [(key, entry) for key, entry in self._open.items() if entry.pass_number == record.number]
+        for key, _entry in still_open:
+            del self._open[key]
+        if error is not None:
+            if still_open:
+                # The fire started last and never followed by another is the one that raised.
+                state.failed_node = still_open[-1][1].node
+        else:
+            for _key, entry in still_open:
+                self._finish(entry, end, state)
         record.error = error
         state.seq_end = _sequence_nr()
         if state.run.create_graph and error is None:
             self._discover_created(state)
-        record.orders = sorted(
-            {order for i in state.call_indices if (order := self.table.entries[self.calls[i].node].order) is not None}
-        )
+        if any(p.run.create_graph for p in self.passes):
+            record.orders = sorted(
+                {order for i in state.call_indices if (order := self.table.entries[self.calls[i].node].order) is not None}
+            )
+        else:
+            record.orders = [1] if state.call_indices else []  # no pass made nodes: every node is order 1
         for observer in self.observers:
             observer.on_pass_close(state, error)
         return self._on_pass_closed(state, error)
@@ -332,48 +376,66 @@ class BackwardRecorder:
         state = self._current(index)
         if state is None:
             return None
-        self._starts[index] = (_now(), _sequence_nr() if state.run.create_graph else None)
+        now = _now()
+        create_graph = state.run.create_graph
+        key = (self._task, _thread())
+        previous = self._open.get(key)
+        if previous is not None:
+            self._finish(previous, now, state)
         edit = self.pre_edits.get(index)
-        if edit is not None:
-            return edit(grad_outputs, state)
-        return None
-
-    def _on_post(self, index: int, grad_inputs: tuple, grad_outputs: tuple) -> None:
-        end = _now()
-        state = self._current(index)
-        if state is None:
-            return None
-        start, seq_start = self._starts.pop(index, (None, None))
+        replaced = edit(grad_outputs, state) if edit is not None else None
+        arriving = replaced if replaced is not None else grad_outputs
         sides = state.sides[index] if index < len(state.sides) else 0
-        ordinals = self.node_calls[index]
-        call_index = len(self.calls)
-        entry = CallEntry(
-            node=index,
-            pass_number=state.record.number,
-            ordinal=len(ordinals) + 1,
-            start_ns=start if self.timing else None,
-            end_ns=end,
-            grad_inputs=self.store.keep(tuple(grad_inputs), "grad_inputs") if sides & GRAD_INPUT else None,
-            grad_outputs=self.store.keep(self._owned(index, grad_outputs), "grad_outputs")
-            if sides & GRAD_OUTPUT else None,
+        self._open[key] = CallEntry(
+            index,
+            state.record.number,
+            0,
+            now if self.timing else None,
+            0,
+            None,
+            self.store.keep(self._owned(index, arriving), "grad_outputs") if sides & GRAD_OUTPUT else None,
+            _sequence_nr() if create_graph else None,
         )
-        if self.detect_nonfinite:
-            self._check_finite(index, state, grad_inputs, grad_outputs)
-        if state.run.create_graph:
-            entry.seq_start = seq_start
-            entry.seq_end = _sequence_nr()
-            for grad in (*grad_inputs, *grad_outputs):
+        if create_graph:
+            for grad in arriving:
                 if grad is not None and grad.grad_fn is not None:
                     state.created_roots.append(grad.grad_fn)
+        return replaced
+
+    def _finish(self, entry: CallEntry, end: int, state: PassState) -> None:
+        """Journal a fire once the next one on its thread starts (or its run ends)."""
+        entry.end_ns = end
+        if state.run.create_graph:
+            entry.seq_end = _sequence_nr()
+        ordinals = self.node_calls[entry.node]
+        entry.ordinal = len(ordinals) + 1
+        call_index = len(self.calls)
         self.calls.append(entry)
         ordinals.append(call_index)
         state.call_indices.append(call_index)
+
+    def _on_post(self, index: int, grad_inputs: tuple, grad_outputs: tuple) -> None:
+        state = self._current(index)
+        if state is None:
+            return None
+        entry = self._open.get((self._task, _thread()))
+        if entry is None or entry.node != index:
+            return None
+        sides = state.sides[index] if index < len(state.sides) else 0
+        if sides & GRAD_INPUT:
+            entry.grad_inputs = self.store.keep(tuple(grad_inputs), "grad_inputs")
+        if self.detect_nonfinite:
+            self._check_finite(index, state, grad_inputs, grad_outputs)
+        if state.run.create_graph:
+            for grad in grad_inputs:
+                if grad is not None and grad.grad_fn is not None:
+                    state.created_roots.append(grad.grad_fn)
         return None
 
     def _owned(self, index: int, grads: tuple) -> tuple:
         """AccumulateGrad may adopt its incoming gradient as ``param.grad`` and add later
         passes into it in place; keep a copy so each pass's increment stays as it was."""
-        if self.table.entries[index].type == "AccumulateGrad":
+        if self.table.types[index] == "AccumulateGrad":
             return tuple(g.detach().clone() if g is not None else None for g in grads)
         return tuple(grads)
 

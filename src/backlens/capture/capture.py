@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -213,10 +214,7 @@ class Capture(RecordView):
         self._input_source_index = {src: i for i, src in enumerate(input_sources)}
         for i, (_name, tensor) in enumerate(inputs):
             self._source_ids[id(tensor)] = input_sources[i]
-        self._output_node_of_op: dict[int, int] = {}
-        self._output_node_of_module: dict[int, int] = {}
-        self._node_of_param: dict[str, int] = {}
-        self._node_of_input: dict[int, tuple[int, int]] = {}
+        self._node_maps = _NodeMaps()
         self._extra_input_grads: list[tuple[int, GradRecord]] = []
         self._grad_fn_cache: list[GradFn] = []
         self._call_records: list[GradFnCall] = []
@@ -238,7 +236,7 @@ class Capture(RecordView):
         # capture without reference cycles is freed (with its graph) as soon as
         # the user drops it, without waiting for the cyclic garbage collector.
         me = weakref.proxy(self)
-        self._table = NodeTable(_weak_call(self, "_describe_node"))
+        self._table = NodeTable(_weak_call(self, "_describe_node"), _weak_call(self, "_leaf_source"))
         self._failures = FailureTranslator(me)
         roots = [t.grad_fn for t in output_tensors if t.grad_fn is not None]
         self._backward = BackwardRecorder(
@@ -344,11 +342,14 @@ class Capture(RecordView):
         return ops, modules, params, inputs
 
     # -- node pairing ----------------------------------------------------
-    def _describe_node(self, node: Any, type_name: str, seq: int | None) -> Pairing:
+    def _leaf_source(self, node: Any) -> int | None:
+        """The parameter or input an AccumulateGrad node accumulates into (its source index)."""
+        variable = _torch.accumulate_grad_variable(node)
+        return self._source_ids.get(id(variable)) if variable is not None else None
+
+    def _describe_node(self, type_name: str, seq: int | None, is_custom: bool, source: int | None) -> Pairing:
         journal = self._journal
         if type_name == "AccumulateGrad":
-            variable = _torch.accumulate_grad_variable(node)
-            source = self._source_ids.get(id(variable)) if variable is not None else None
             if source is None:
                 return Pairing()
             kind, name = journal.sources[source].kind, journal.sources[source].name
@@ -366,7 +367,7 @@ class Capture(RecordView):
                 module_call = journal.module_call_of_op(op_index)
                 return Pairing(op=op_index, module_call=module_call,
                                module_source="paired" if module_call is not None else None)
-            op = journal.op_run_by_custom_node(seq) if _torch.is_custom_function_node(node) else None
+            op = journal.op_run_by_custom_node(seq) if is_custom else None
             if op is not None:
                 # A custom Function's apply is invisible to the mode; its node lands
                 # on the output of the last op its forward ran.
@@ -384,36 +385,49 @@ class Capture(RecordView):
         return Pairing(order=order)
 
     def _on_nodes_added(self, indices: list[int]) -> None:
-        journal = self._journal
+        """At discovery: relate the new nodes to the forward's tensors by identity (nodes are
+        dropped at close), fingerprint custom Functions' saved tensors, arm gradient edits."""
         table = self._table
-        by_output_node: dict[Any, list[int]] = {}
-        for call in journal.module_calls:
-            if call.output_node is not None:
-                by_output_node.setdefault(call.output_node, []).append(call.index)
-        inputs_by_node: dict[Any, list[int]] = {}
-        for i, tensor in enumerate(self._input_tensors):
-            if tensor.grad_fn is not None:
-                inputs_by_node.setdefault(tensor.grad_fn, []).append(i)
+        nodes = table.nodes
         for index in indices:
-            entry = table.entries[index]
-            node = table.nodes[index]
-            if entry.op is not None:
-                output_node = journal.output_node_of_op(entry.op)
-                if output_node is None or output_node is node:
-                    self._output_node_of_op.setdefault(entry.op, index)
-            for call_index in by_output_node.get(node, ()):
-                self._output_node_of_module[call_index] = index
-            if entry.param is not None:
-                self._node_of_param[entry.param] = index
-            elif entry.source is not None and entry.source in self._input_source_index:
-                self._node_of_input[self._input_source_index[entry.source]] = (index, 0)
-            for i in inputs_by_node.get(node, ()):
-                self._node_of_input[i] = (index, self._input_tensors[i].output_nr)
-            if entry.is_custom:
-                self._failures.remember_saved(node)
-
+            if table.is_custom[index]:
+                self._failures.remember_saved(nodes[index])
+        self._node_maps.resolve(self._journal, self._input_tensors, table.index_of)
         if self._grad_edits_pending:
             self._arm_grad_edits()
+
+    def _synced_node_maps(self) -> _NodeMaps:
+        """Which node made each op's, module call's, parameter's and input's gradient (built on read)."""
+        maps = self._node_maps
+        entries = self._table.entries
+        for index in range(maps.mapped, len(entries)):
+            entry = entries[index]
+            if entry.op is not None:
+                explicit = maps.explicit_output_of_op.get(entry.op, _NOT_EXPLICIT)
+                if explicit is _NOT_EXPLICIT or explicit == index:
+                    maps.output_node_of_op.setdefault(entry.op, index)
+            if entry.param is not None:
+                maps.node_of_param[entry.param] = index
+            elif entry.source is not None and entry.source in self._input_source_index:
+                maps.node_of_input.setdefault(self._input_source_index[entry.source], (index, 0))
+        maps.mapped = len(entries)
+        return maps
+
+    @property
+    def _output_node_of_op(self) -> dict[int, int]:
+        return self._synced_node_maps().output_node_of_op
+
+    @property
+    def _output_node_of_module(self) -> dict[int, int]:
+        return self._synced_node_maps().output_node_of_module
+
+    @property
+    def _node_of_param(self) -> dict[str, int]:
+        return self._synced_node_maps().node_of_param
+
+    @property
+    def _node_of_input(self) -> dict[int, tuple[int, int]]:
+        return self._synced_node_maps().node_of_input
 
     @property
     def _grad_fn_records(self) -> list[GradFn]:
@@ -722,6 +736,60 @@ class Capture(RecordView):
             f"<Capture {state}: {len(self._journal.ops)} ops, {len(self._journal.module_calls)} module calls, "
             f"{len(self._backward.passes)} backward passes>"
         )
+
+
+_NOT_EXPLICIT = object()
+
+
+@dataclass
+class _NodeMaps:
+    """Node indices by what their gradients belong to.
+
+    Relations that need node identity (a module call's or input's output node,
+    the one node of a multi-node op that made its output) are resolved at each
+    discovery, while the nodes are held; the rest is read from entries up to
+    entry ``mapped``.
+    """
+
+    output_node_of_op: dict[int, int] = field(default_factory=dict)
+    output_node_of_module: dict[int, int] = field(default_factory=dict)
+    node_of_param: dict[str, int] = field(default_factory=dict)
+    node_of_input: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # op -> index of the node that made its output (None until found), for ops that made several.
+    explicit_output_of_op: dict[int, int | None] = field(default_factory=dict)
+    mapped: int = 0
+    _unresolved: list[tuple[str, int, Any, int]] | None = None
+
+    def resolve(self, journal: ForwardJournal, input_tensors: list[torch.Tensor], index_of: dict) -> None:
+        if self._unresolved is None:
+            self._unresolved = self._identity_relations(journal, input_tensors)
+        still = []
+        for kind, key, node, output_nr in self._unresolved:
+            index = index_of.get(node)
+            if index is None:
+                still.append((kind, key, node, output_nr))
+            elif kind == "module":
+                self.output_node_of_module[key] = index
+            elif kind == "op":
+                self.explicit_output_of_op[key] = index
+            else:
+                self.node_of_input[key] = (index, output_nr)
+        self._unresolved = still
+
+    def _identity_relations(self, journal: ForwardJournal, input_tensors: list[torch.Tensor]) -> list:
+        relations = []
+        for call in journal.module_calls:
+            if call.output_node is not None:
+                relations.append(("module", call.index, call.output_node, call.output_nr))
+        for index in range(len(journal.raw_ops)):
+            node = journal.output_node_of_op(index)
+            if node is not None:
+                self.explicit_output_of_op[index] = None
+                relations.append(("op", index, node, 0))
+        for i, tensor in enumerate(input_tensors):
+            if tensor.grad_fn is not None:
+                relations.append(("input", i, tensor.grad_fn, tensor.output_nr))
+        return relations
 
 
 def _weak_call(capture: Capture, method: str) -> Callable[..., Any]:
