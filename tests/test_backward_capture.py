@@ -426,3 +426,17 @@ def test_records_first_read_after_close_equal_records_read_while_open(name):
     for address, grad in expected_module_grads.items():
         got = read_closed.modules[address].output_grad
         assert (got is None and grad is None) or torch.equal(got, grad), address
+
+
+def test_a_capture_dropped_during_its_own_backward_leaves_the_pass_to_finish_stock():
+    model = MLP()
+    x = torch.randn(2, 6)
+    reference = copy.deepcopy(model)
+    loss_of(reference(x)).backward()
+    holder = [bl.capture(model, x)]
+    loss = loss_of(holder[0].output)
+    loss.register_hook(lambda grad: holder.clear())  # the last reference goes mid-pass
+    loss.backward()
+    assert holder == []
+    for (name, param), stock in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(param.grad, stock.grad), name

@@ -276,8 +276,9 @@ def test_the_model_walk_names_modules_params_and_buffers_as_torch_does():
     shared = nn.Linear(3, 3)
     model = nn.Sequential(shared, nn.BatchNorm1d(3), nn.Sequential(shared, nn.ReLU()), nn.Linear(3, 3))
     model[3].weight = shared.weight  # a tied parameter under a second name
-    modules, params, buffers = _walk_model(model)
-    assert [(a, id(m)) for a, m in modules] == [(a, id(m)) for a, m in model.named_modules()]
+    addresses, types, params, buffers = _walk_model(model)
+    assert [(a, i) for i, a in addresses.items()] == [(a, id(m)) for a, m in model.named_modules()]
+    assert types == {a: type(m).__name__ for a, m in model.named_modules()}
     assert [(n, id(p)) for n, p in params.items()] == [(n, id(p)) for n, p in model.named_parameters()]
     assert [(n, id(b)) for n, b in buffers.items()] == [(n, id(b)) for n, b in model.named_buffers()]
 

@@ -350,6 +350,8 @@ class BackwardRecorder:
 
     # -- hooks (hot path) --------------------------------------------------
     def _current(self, index: int) -> PassState | None:
+        if not self.hooking:
+            return None  # removed while this fire was under way (its capture was collected)
         task = _task_id()
         if task == self._task:
             return self._pass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -81,7 +82,7 @@ def capture(
     )
     if armed.edits_module_outputs:
         recorder.module_output_hook = armed.module_hook
-    modules, params, buffers = _walk_model(model)
+    addresses, module_types, params, buffers = _walk_model(model)
     recorder.register_sources("param", params.items())
     recorder.register_sources("buffer", buffers.items())
     inputs = _named_inputs(args, kwargs)
@@ -89,7 +90,7 @@ def capture(
     grad_enabled = torch.is_grad_enabled()
     inference_mode = torch.is_inference_mode_enabled()
 
-    recorder.attach(modules)
+    recorder.attach(addresses, module_types)
     journal.seq_start = _torch.sequence_nr()
     try:
         with recorder:
@@ -123,25 +124,25 @@ def capture(
     )
 
 
-def _walk_model(model: torch.nn.Module) -> tuple[list, dict, dict]:
-    """Modules, parameters and buffers by name in one walk.
+def _walk_model(model: torch.nn.Module) -> tuple[dict[int, str], dict[str, str], dict, dict]:
+    """Module addresses (by module id) and types, parameters and buffers by name, in one walk.
 
     The order and names are those of ``named_modules`` / ``named_parameters``
     (pre-order, a shared module or tensor under its first name); an explicit
     stack because the generator chain costs more than the rest of the setup.
     """
-    modules: list[tuple[str, torch.nn.Module]] = []
+    addresses: dict[int, str] = {}
+    types: dict[str, str] = {}
     params: dict[str, torch.nn.Parameter] = {}
     buffers: dict[str, torch.Tensor] = {}
-    seen_modules: set[int] = set()
     seen: set[int] = set()
     pending = [("", model)]
     while pending:
         address, module = pending.pop()
-        if id(module) in seen_modules:
+        if id(module) in addresses:
             continue
-        seen_modules.add(id(module))
-        modules.append((address, module))
+        addresses[id(module)] = address
+        types[address] = type(module).__name__
         prefix = f"{address}." if address else ""
         for name, param in module._parameters.items():
             if param is not None and id(param) not in seen:
@@ -154,7 +155,7 @@ def _walk_model(model: torch.nn.Module) -> tuple[list, dict, dict]:
         children = module._modules
         if children:
             pending.extend((prefix + name, child) for name, child in reversed(children.items()) if child is not None)
-    return modules, params, buffers
+    return addresses, types, params, buffers
 
 
 def _named_inputs(args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
@@ -251,8 +252,6 @@ class Capture(RecordView):
             failures=self._failures,
             detect_nonfinite=detect_nonfinite,
         )
-        # A dropped capture takes its hooks and its place in the engine router with it.
-        weakref.finalize(self, self._backward.remove_hooks).atexit = False
         self._cost = cost if cost is not None else CostJournal()
         if flops:
             self._backward.observers.append(FlopObserver(self._backward, self._cost))
@@ -279,7 +278,7 @@ class Capture(RecordView):
     def _build_forward_records(self) -> tuple:
         journal = self._journal
         calls = journal.module_calls
-        sources = journal.sources
+        source_kinds, source_names = journal.source_kinds, journal.source_names
         ops = []
         for entry in journal.ops:
             ops.append(
@@ -289,7 +288,7 @@ class Capture(RecordView):
                     func=entry.name,
                     module=calls[entry.module_call].address if entry.module_call is not None else None,
                     parents=[journal.ops[p].label for p in entry.parents],
-                    param_parents=[sources[s].name for s in entry.sources if sources[s].kind == "param"],
+                    param_parents=[source_names[s] for s in entry.sources if source_kinds[s] == "param"],
                     shape=entry.shape,
                     dtype=entry.dtype,
                     num_outputs=entry.num_outputs,
@@ -300,6 +299,7 @@ class Capture(RecordView):
                 )
             )
         modules = []
+        children = journal.module_children()
         for call in calls:
             op_end = call.op_end if call.op_end is not None else len(ops)
             modules.append(
@@ -310,7 +310,7 @@ class Capture(RecordView):
                     module_type=journal.module_types.get(call.module_address, ""),
                     call_number=call.call_number,
                     parent=calls[call.parent].address if call.parent is not None else None,
-                    children=[calls[c].address for c in call.children],
+                    children=[calls[c].address for c in children[call.index]],
                     ops=[ops[i].label for i in range(call.op_start, op_end)],
                     output_shape=call.output_shape,
                     _source=self,
@@ -352,7 +352,7 @@ class Capture(RecordView):
         if type_name == "AccumulateGrad":
             if source is None:
                 return Pairing()
-            kind, name = journal.sources[source].kind, journal.sources[source].name
+            kind, name = journal.source_kinds[source], journal.source_names[source]
             if kind == "param":
                 return Pairing(
                     module_call=self._first_call_of_module.get(_owning_module(name)),
@@ -723,6 +723,13 @@ class Capture(RecordView):
                 finish(self)  # to_disk: write the bundle manifest (records outlive close)
         finally:
             self._store.close()
+
+    def __del__(self) -> None:
+        # A dropped capture takes its hooks and its place in the engine router with it.
+        backward = self.__dict__.get("_backward")
+        if backward is not None and (backward.armed or backward._handles):
+            with contextlib.suppress(Exception):  # at interpreter exit torch may be half gone
+                backward.remove_hooks()
 
     def __enter__(self) -> Capture:
         return self

@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from bisect import bisect_right
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -62,7 +62,6 @@ class ModuleCallEntry:
     parent: int | None
     seq_start: int
     op_start: int
-    children: list[int] = field(default_factory=list)
     seq_end: int | None = None
     op_end: int | None = None
     output_node: Any = None
@@ -83,15 +82,32 @@ class ForwardJournal:
 
     def __init__(self) -> None:
         self.raw_ops: list[tuple] = []
+        # Every op's parent references, back to back (rows hold their start and end):
+        # op index >= 0, source -1 - s; repeats are dropped when entries are built.
+        self.parent_refs: list[int] = []
         self._ops: list[OpEntry] = []
         self._names: dict[Any, str] = {}
         self._name_counts: dict[str, int] = {}
         self.module_types: dict[str, str] = {}
         self.module_calls: list[ModuleCallEntry] = []
-        self.sources: list[Source] = []
+        self.source_kinds: list[str] = []
+        self.source_names: list[str] = []
         self.seq_start: int | None = None
         self.seq_end: int | None = None
         self._op_seq_starts: list[int] | None = None
+
+    @property
+    def sources(self) -> list[Source]:
+        """The tensors that existed before the forward, by source index."""
+        return [Source(kind, name) for kind, name in zip(self.source_kinds, self.source_names)]
+
+    def module_children(self) -> list[list[int]]:
+        """Each module call's direct children (call indices), from the parent links."""
+        children: list[list[int]] = [[] for _ in self.module_calls]
+        for call in self.module_calls:
+            if call.parent is not None:
+                children[call.parent].append(call.index)
+        return children
 
     @property
     def ops(self) -> list[OpEntry]:
@@ -104,8 +120,9 @@ class ForwardJournal:
         """Build entries up to ``index`` from the raw rows; labels count in call order."""
         ops = self._ops
         while len(ops) <= index:
-            (func, module_call, before, after, shape, dtype, num_outputs, parents,
+            (func, module_call, before, after, shape, dtype, num_outputs, refs_start, refs_end,
              output_node, output_nr, inplace) = self.raw_ops[len(ops)]
+            parents = dict.fromkeys(self.parent_refs[refs_start:refs_end])
             name = self._names.get(func)
             if name is None:
                 name = self._names[func] = op_name(func)
@@ -149,7 +166,7 @@ class ForwardJournal:
         """The node an op's output came from, when the op made several (else None)."""
         if index < len(self._ops):
             return self._ops[index].output_node
-        return self.raw_ops[index][8]
+        return self.raw_ops[index][9]
 
     def op_run_by_custom_node(self, seq: int) -> OpEntry | None:
         """The last op a custom Function's forward ran, for its node ``seq``.
@@ -182,8 +199,8 @@ class ForwardJournal:
             op.output_node = None
         raw = self.raw_ops
         for i in range(len(self._ops), len(raw)):
-            if raw[i][8] is not None:
-                raw[i] = (*raw[i][:8], None, *raw[i][9:])
+            if raw[i][9] is not None:
+                raw[i] = (*raw[i][:9], None, *raw[i][10:])
         for call in self.module_calls:
             call.output_node = None
 
@@ -239,23 +256,25 @@ class ForwardRecorder(TorchFunctionMode):
         self._module_call_counts: dict[str, int] = {}
         self._addresses: dict[int, str] = {}
         self._raw = journal.raw_ops
+        self._parent_refs = journal.parent_refs
         # May replace a module call's output (activation edits on module addresses).
         self.module_output_hook: Callable[[ModuleCallEntry, Any], Any] | None = None
 
     # -- sources ---------------------------------------------------------
     def register_sources(self, kind: str, named: Iterable[tuple[str, Tensor]]) -> list[int]:
         """Note tensors that exist before the forward; returns their source indices."""
-        sources = self.journal.sources
+        names = self.journal.source_names
         ids = self._ids
-        start = len(sources)
+        start = len(names)
         for name, tensor in named:
-            sources.append(Source(kind, name))
-            ids[id(tensor)] = -len(sources)
-        return list(range(start, len(sources)))
+            names.append(name)
+            ids[id(tensor)] = -len(names)
+        self.journal.source_kinds.extend([kind] * (len(names) - start))
+        return list(range(start, len(names)))
 
     # -- module calls ------------------------------------------------------
-    def attach(self, modules: list[tuple[str, torch.nn.Module]]) -> None:
-        """Watch the model's module calls in this thread until ``detach``.
+    def attach(self, addresses: dict[int, str], module_types: dict[str, str]) -> None:
+        """Watch the model's module calls (``addresses``: module id -> address) in this thread until ``detach``.
 
         Forward hooks, local or global, push every module call onto
         ``nn.Module``'s slow call path (several microseconds a call). Instead
@@ -263,8 +282,8 @@ class ForwardRecorder(TorchFunctionMode):
         ``_ModuleCalls``); modules keep their fast path, and other threads' and
         other models' module calls pass straight through.
         """
-        self._addresses = {id(module): address for address, module in modules}
-        self.journal.module_types = {address: type(module).__name__ for address, module in modules}
+        self._addresses = addresses
+        self.journal.module_types = module_types
         _MODULE_CALLS.push(self)
 
     def detach(self) -> None:
@@ -286,10 +305,8 @@ class ForwardRecorder(TorchFunctionMode):
         parent = stack[-1] if stack else None
         call = ModuleCallEntry(
             index, address if number == 1 else f"{address}:{number}", address, number, parent,
-            _sequence_nr(), len(self._raw), [],
+            _sequence_nr(), len(self._raw),
         )
-        if parent is not None:
-            calls[parent].children.append(index)
         calls.append(call)
         stack.append(index)
         try:
@@ -329,10 +346,17 @@ class ForwardRecorder(TorchFunctionMode):
         else:
             return out
         ids = self._ids
-        parents: list[int] = []
-        _collect(args, ids, parents)
+        refs = self._parent_refs
+        refs_start = len(refs)
+        for item in args:
+            if isinstance(item, Tensor):
+                found = ids.get(id(item))
+                if found is not None:
+                    refs.append(found)
+            elif isinstance(item, (list, tuple)):
+                _collect(item, ids, refs)
         if kwargs:
-            _collect(kwargs.values(), ids, parents)
+            _collect(kwargs.values(), ids, refs)
         index = len(self._raw)
         if outputs is None:
             ids[id(primary)] = index
@@ -349,7 +373,7 @@ class ForwardRecorder(TorchFunctionMode):
             output_nr = primary.output_nr
         self._raw.append((
             func, stack[-1] if stack else None, before, after, primary.shape, primary.dtype,
-            1 if outputs is None else len(outputs), parents, output_node, output_nr,
+            1 if outputs is None else len(outputs), refs_start, len(refs), output_node, output_nr,
             bool(args) and primary is args[0],
         ))
         if self.activations.keeps_any or self.op_hook is not None:
@@ -419,14 +443,14 @@ class _ModuleCalls:
 _MODULE_CALLS = _ModuleCalls()
 
 
-def _collect(items: Any, ids: dict[int, int], parents: list[int]) -> None:
+def _collect(items: Any, ids: dict[int, int], refs: list[int]) -> None:
     for item in items:
         if isinstance(item, Tensor):
             found = ids.get(id(item))
-            if found is not None and found not in parents:
-                parents.append(found)
+            if found is not None:
+                refs.append(found)
         elif isinstance(item, (list, tuple)):
-            _collect(item, ids, parents)
+            _collect(item, ids, refs)
 
 
 def _first_tensor(value: Any, depth: int = 3) -> Tensor | None:

@@ -130,7 +130,8 @@ class NodeTable:
                 self._type_counts[stem] = k
                 sequence_nr = self._sequence_nrs[index]
                 is_custom = self.is_custom[index]
-                pairing = self._describe(type_name, sequence_nr, is_custom, self._leaf_sources.get(index))
+                # None once the capture is gone (a fire under way when it was collected).
+                pairing = self._describe(type_name, sequence_nr, is_custom, self._leaf_sources.get(index)) or Pairing()
                 entries.append(
                     NodeEntry(
                         index=index,
