@@ -18,6 +18,7 @@ import argparse
 import gc
 import json
 import random
+import resource
 import statistics
 import subprocess
 import sys
@@ -85,8 +86,10 @@ def variants(model, ids):
     }
 
 
-def time_rounds(plain, others, rounds: int) -> dict[str, float]:
+def time_rounds(plain, others, rounds: int) -> dict[str, tuple[float, int]]:
+    """Median time ratio to plain per variant, and the median page faults of its steps."""
     samples = {"plain": [], **{name: [] for name in others}}
+    faults = {name: [] for name in samples}
     for _ in range(3):
         plain()
         for fn in others.values():
@@ -96,13 +99,14 @@ def time_rounds(plain, others, rounds: int) -> dict[str, float]:
     for _ in range(rounds):
         shuffle(order)  # no variant always runs right after another
         for name, fn in order:
+            faulted = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             start = time.perf_counter()
             fn()
             samples[name].append(time.perf_counter() - start)
+            faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faulted)
     base = statistics.median(samples["plain"])
-    return {name: statistics.median(s) / base for name, s in samples.items() if name != "plain"} | {
-        "plain_ms": base * 1e3
-    }
+    return {name: (statistics.median(s) / base, int(statistics.median(faults[name])))
+            for name, s in samples.items()} | {"plain_ms": (base * 1e3, 0)}
 
 
 def _status_kib(field: str) -> int:
@@ -171,9 +175,15 @@ def main() -> None:
     print(f"GPT-2 4 layers, n_embd 256, batch 4 x seq 64, torch {torch.__version__}, 1 thread")
     for group, (plain, others) in variants(model, ids).items():
         ratios = time_rounds(plain, others, args.rounds)
-        print(f"[{group}] plain median {ratios.pop('plain_ms'):.1f} ms")
-        for name, ratio in ratios.items():
-            print(f"  {name:<40} {ratio:.3f}x plain")
+        plain_ms = ratios.pop("plain_ms")[0]
+        print(f"[{group}] plain median {plain_ms:.1f} ms ({ratios.pop('plain')[1]} page faults)")
+        for name, (ratio, faults) in ratios.items():
+            print(f"  {name:<40} {ratio:.3f}x plain   ({faults} page faults)")
+    print(
+        "  (page faults: pages the step had to take back from the OS. A step that keeps\n"
+        "   gradients and frees them at its end can lose those pages to glibc's heap trimming\n"
+        "   and fault them in again next step; plain PyTorch keeping the same tensors does too.)"
+    )
     if not args.no_memory:
         memory = peak_memory()
         plain, saved = memory["plain"], memory["save_grads"]
