@@ -111,8 +111,8 @@ class BackwardRecorder:
         self._grad_fn_record = grad_fn_record
         self._on_pass_closed = on_pass_closed
         self._handles: list[Any] = []
-        self._pre_hooked: set[Any] = set()
-        self._post_hooked = False
+        self._sentinel_nodes: set[Any] = set()  # output nodes pre-hooked by arm()
+        self._post_hooked = self._needs_post_hooks(policy, detect_nonfinite)
         self._forward_discovered = False
         self._task: int | None = None
         self._pass: PassState | None = None
@@ -134,9 +134,9 @@ class BackwardRecorder:
             return
         self.armed = True
         for node in self._output_roots:
-            if node not in self._pre_hooked:
+            if node not in self._sentinel_nodes:
                 self._handles.append(node.register_prehook(partial(_sentinel_hook, self._self_ref, node)))
-                self._pre_hooked.add(node)
+                self._sentinel_nodes.add(node)
         engine.arm(self)
 
     def disarm(self) -> None:
@@ -149,8 +149,7 @@ class BackwardRecorder:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._pre_hooked.clear()
-        self._post_hooked = False
+        self._sentinel_nodes.clear()
         self._output_roots = []
         self._open.clear()
 
@@ -167,17 +166,16 @@ class BackwardRecorder:
         node_calls = self.node_calls
         nodes = self.table.nodes
         if self.hooking:
-            if self._post_hooked is False and self._needs_post_hooks(self.policy):
-                self._post_hooked = True
             handles = self._handles
-            pre_hooked = self._pre_hooked
+            sentinels = self._sentinel_nodes  # their sentinel pre-hook serves as theirs
+            post_hooked = self._post_hooked
             ref = self._self_ref
             for index in added:
                 node_calls.append([])
                 node = nodes[index]
-                if node not in pre_hooked:
+                if node not in sentinels:
                     handles.append(node.register_prehook(partial(_pre_hook, ref, index)))
-                if self._post_hooked:
+                if post_hooked:
                     handles.append(node.register_hook(partial(_post_hook, ref, index)))
         else:
             node_calls.extend([] for _ in added)
@@ -185,12 +183,13 @@ class BackwardRecorder:
             self._on_nodes_added(added)
         return added
 
-    def _needs_post_hooks(self, policy: GradPolicy) -> bool:
+    @staticmethod
+    def _needs_post_hooks(policy: GradPolicy, detect_nonfinite: bool) -> bool:
         """Whether fires must also be seen after the node ran (for the gradients it sends on)."""
-        return self.detect_nonfinite or not policy.saves_nothing
+        return detect_nonfinite or not policy.saves_nothing
 
     def _add_post_hooks(self) -> None:
-        """A pass that may keep outgoing gradients, after discovery without post-hooks."""
+        """For a pass that may keep outgoing gradients when the nodes so far have no post-hooks."""
         self._post_hooked = True
         ref = self._self_ref
         for index, node in enumerate(self.table.nodes):
@@ -243,7 +242,7 @@ class BackwardRecorder:
             create_graph=run.create_graph,
             save_grads_policy=policy,
         )
-        if self.hooking and not self._post_hooked and self._needs_post_hooks(policy) and self.table.nodes:
+        if self.hooking and not self._post_hooked and self._needs_post_hooks(policy, self.detect_nonfinite):
             self._add_post_hooks()
         if isinstance(policy.spec, bool):
             sides = [policy.sides(None, number)] * len(self.table)  # no per-node question to ask

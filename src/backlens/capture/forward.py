@@ -348,13 +348,7 @@ class ForwardRecorder(TorchFunctionMode):
         ids = self._ids
         refs = self._parent_refs
         refs_start = len(refs)
-        for item in args:
-            if isinstance(item, Tensor):
-                found = ids.get(id(item))
-                if found is not None:
-                    refs.append(found)
-            elif isinstance(item, (list, tuple)):
-                _collect(item, ids, refs)
+        _collect(args, ids, refs)
         if kwargs:
             _collect(kwargs.values(), ids, refs)
         index = len(self._raw)
