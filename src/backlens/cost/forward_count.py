@@ -158,29 +158,23 @@ class FlopForwardRecorder(ForwardRecorder):
         super().__init__(*args, **kwargs)
         self.counted: dict[int, int] = {}
         self.noted: list[tuple[int, Any, Any, Any]] = []
+        self.row_observer = self._count_or_note
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def _count_or_note(self, index: int, func: Any, args: tuple, kwargs: dict | None, out: Any) -> None:
+        # After the call: an in-place op keeps its arguments' shapes, strides and dtypes.
         try:
-            skip = func in ZERO_FLOP or getattr(func, "__name__", None) in _ACCESSORS
-            shape_count = None if skip else SHAPE_COUNTS.get(func)
+            if func in ZERO_FLOP or getattr(func, "__name__", None) in _ACCESSORS:
+                return
+            shape_count = SHAPE_COUNTS.get(func)
         except TypeError:  # an unhashable callable: note it like any other op
-            skip, shape_count = False, None
-        if skip:
-            return super().__torch_function__(func, types, args, kwargs)
-        raw = self.journal.raw_ops
-        index = len(raw)
-        specs = (_spec(args), _spec(kwargs) if kwargs else None) if shape_count is None else None
-        out = super().__torch_function__(func, types, args, kwargs)
-        if len(raw) == index:  # identity calls and non-tensor results make no row
-            return out
+            shape_count = None
         if shape_count is not None:
             try:
                 self.counted[index] = shape_count(args, kwargs, out)
-                return out
+                return
             except Exception:  # noqa: BLE001 - shapes the formula does not cover: replay instead
-                specs = (_spec(args), _spec(kwargs) if kwargs else None)
-        self.noted.append((index, func, *specs))
-        return out
+                pass
+        self.noted.append((index, func, _spec(args), _spec(kwargs) if kwargs else None))
 
     def forward_cost(self) -> Callable[[], dict[str, Any]]:
         """What computes the forward cost dict when it is first read."""
