@@ -209,8 +209,13 @@ class Capture(RecordView):
         )
         self._store = store if store is not None else MemoryStore()
         self._closed = False
-        self._params = {name: weakref.ref(p) for name, p in params.items()}
-        self._source_ids: dict[int, int] = {id(p): i for i, p in enumerate(params.values())}
+        self._params: dict[str, weakref.ref] = {}
+        self._source_ids: dict[int, int] = {}
+        self._param_shapes: list[tuple] = []
+        for i, (name, param) in enumerate(params.items()):
+            self._params[name] = weakref.ref(param)
+            self._source_ids[id(param)] = i
+            self._param_shapes.append((name, param.shape, param.dtype, param.requires_grad))
         self._input_tensors = [tensor for _name, tensor in inputs]
         self._input_source_index = {src: i for i, src in enumerate(input_sources)}
         for i, (_name, tensor) in enumerate(inputs):
@@ -221,7 +226,6 @@ class Capture(RecordView):
         self._call_records: list[GradFnCall] = []
 
         self._forward_records: tuple | None = None
-        self._param_shapes = [(name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in params.items()]
         self._input_meta = [
             (name, tuple(t.shape), t.dtype, t.requires_grad, isinstance(t, torch.nn.Parameter))
             for name, t in inputs
@@ -320,7 +324,7 @@ class Capture(RecordView):
             ParamRecord(
                 name=name,
                 module=_owning_module(name),
-                shape=shape,
+                shape=tuple(shape),
                 dtype=dtype,
                 requires_grad=requires_grad,
                 _source=self,
