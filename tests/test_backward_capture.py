@@ -221,6 +221,19 @@ def test_timing_false_leaves_durations_unknown():
     assert all(c.duration is None for c in cap.grad_fn_calls)
 
 
+@pytest.mark.parametrize("save_grads", [False, True])
+def test_the_fires_of_a_pass_follow_one_another_inside_it(save_grads):
+    model, args, kwargs = build("gpt2")
+    cap = bl.capture(model, *args, save_grads=save_grads, **kwargs)
+    loss_of(cap.output).backward()
+    calls = list(cap.passes[0].calls)
+    assert calls and all(c.duration >= 0 for c in calls)
+    for earlier, later in zip(calls, calls[1:]):
+        # one engine thread: no overlap (1 ns of slack for float rounding)
+        assert later.start >= earlier.start + earlier.duration - 1e-9
+    assert calls[-1].start + calls[-1].duration <= cap.passes[0].duration + 1e-9
+
+
 def test_cap_backward_can_widen_the_save_policy_for_one_pass():
     cap = bl.capture(MLP(), torch.randn(2, 6))
     loss = loss_of(cap.output)

@@ -10,8 +10,10 @@ edit is armed for that node.
 A fire starts at its pre-hook and ends when the engine starts the next node
 on the same thread for the same run (or when the run ends). Its duration
 therefore includes the engine routing the node's outputs to the nodes that
-consume them (summing gradients that arrive from several paths); per thread,
-the durations of a pass's fires add up to the time the engine spent in it.
+consume them (summing gradients that arrive from several paths), and leaves
+out backlens's own work in its hooks (edits, copies of kept gradients,
+non-finite checks); per thread, the durations of a pass's fires add up to the
+time the engine spent in it, less that work.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ class CallEntry:
     grad_outputs: tuple | None
     seq_start: int | None = None
     seq_end: int | None = None
+    # Time spent in backlens's own post-hook inside the fire (not the node's).
+    hook_ns: int = 0
     # Set when the pass closes, by backlens.cost (None: not counted).
     flops: int | None = None
     recompute_flops: int | None = None
@@ -387,14 +391,15 @@ class BackwardRecorder:
         replaced = edit(grad_outputs, state) if edit is not None else None
         arriving = replaced if replaced is not None else grad_outputs
         sides = state.sides[index] if index < len(state.sides) else 0
+        kept = self.store.keep(self._owned(index, arriving), "grad_outputs") if sides & GRAD_OUTPUT else None
         self._open[key] = CallEntry(
             index,
             state.record.number,
             0,
-            now if self.timing else None,
+            _now() if self.timing else None,  # after the edit and the copies: they are not the node's
             0,
             None,
-            self.store.keep(self._owned(index, arriving), "grad_outputs") if sides & GRAD_OUTPUT else None,
+            kept,
             _sequence_nr() if create_graph else None,
         )
         if create_graph:
@@ -416,21 +421,25 @@ class BackwardRecorder:
         state.call_indices.append(call_index)
 
     def _on_post(self, index: int, grad_inputs: tuple, grad_outputs: tuple) -> None:
+        began = _now()
         state = self._current(index)
         if state is None:
             return None
         entry = self._open.get((self._task, _thread()))
         if entry is None or entry.node != index:
             return None
-        sides = state.sides[index] if index < len(state.sides) else 0
-        if sides & GRAD_INPUT:
-            entry.grad_inputs = self.store.keep(tuple(grad_inputs), "grad_inputs")
-        if self.detect_nonfinite:
-            self._check_finite(index, state, grad_inputs, grad_outputs)
-        if state.run.create_graph:
-            for grad in grad_inputs:
-                if grad is not None and grad.grad_fn is not None:
-                    state.created_roots.append(grad.grad_fn)
+        try:
+            sides = state.sides[index] if index < len(state.sides) else 0
+            if sides & GRAD_INPUT:
+                entry.grad_inputs = self.store.keep(tuple(grad_inputs), "grad_inputs")
+            if self.detect_nonfinite:
+                self._check_finite(index, state, grad_inputs, grad_outputs)
+            if state.run.create_graph:
+                for grad in grad_inputs:
+                    if grad is not None and grad.grad_fn is not None:
+                        state.created_roots.append(grad.grad_fn)
+        finally:
+            entry.hook_ns += _now() - began
         return None
 
     def _owned(self, index: int, grads: tuple) -> tuple:

@@ -578,7 +578,7 @@ class Capture(RecordView):
                     grad_inputs=self._store.load(entry.grad_inputs) if entry.grad_inputs is not None else None,
                     grad_outputs=self._store.load(entry.grad_outputs) if entry.grad_outputs is not None else None,
                     start=(start - pass_start) / 1e9 if start is not None else None,
-                    duration=(entry.end_ns - start) / 1e9 if start is not None else None,
+                    duration=(entry.end_ns - start - entry.hook_ns) / 1e9 if start is not None else None,
                     flops=entry.flops,
                     recompute_flops=entry.recompute_flops,
                 )
