@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,6 +19,7 @@ from backlens.capture.forward import (
     iter_named_tensors,
 )
 from backlens.capture.interventions import ArmedEdits
+from backlens.capture.node_maps import NodeMaps
 from backlens.capture.policy import GradPolicy
 from backlens.capture.store import MemoryStore
 from backlens.capture.unmatched import UnmatchedSelectorWarner, warn_if_no_activation_kept
@@ -220,7 +220,7 @@ class Capture(RecordView):
         self._input_source_index = {src: i for i, src in enumerate(input_sources)}
         for i, (_name, tensor) in enumerate(inputs):
             self._source_ids[id(tensor)] = input_sources[i]
-        self._node_maps = _NodeMaps()
+        self._node_maps = NodeMaps()
         self._extra_input_grads: list[tuple[int, GradRecord]] = []
         self._grad_fn_cache: list[GradFn] = []
         self._call_records: list[GradFnCall] = []
@@ -400,22 +400,9 @@ class Capture(RecordView):
         if self._grad_edits_pending:
             self._arm_grad_edits()
 
-    def _synced_node_maps(self) -> _NodeMaps:
+    def _synced_node_maps(self) -> NodeMaps:
         """Which node made each op's, module call's, parameter's and input's gradient (built on read)."""
-        maps = self._node_maps
-        entries = self._table.entries
-        for index in range(maps.mapped, len(entries)):
-            entry = entries[index]
-            if entry.op is not None:
-                explicit = maps.explicit_output_of_op.get(entry.op, _NOT_EXPLICIT)
-                if explicit is _NOT_EXPLICIT or explicit == index:
-                    maps.output_node_of_op.setdefault(entry.op, index)
-            if entry.param is not None:
-                maps.node_of_param[entry.param] = index
-            elif entry.source is not None and entry.source in self._input_source_index:
-                maps.node_of_input.setdefault(self._input_source_index[entry.source], (index, 0))
-        maps.mapped = len(entries)
-        return maps
+        return self._node_maps.sync(self._table.entries, self._input_source_index)
 
     @property
     def _output_node_of_op(self) -> dict[int, int]:
@@ -720,6 +707,7 @@ class Capture(RecordView):
         self._model = None
         self._rerun = None
         self._journal.drop_nodes()
+        self._node_maps.drop_nodes()
         self._closed = True
         finish = getattr(self._store, "finish", None)
         try:
@@ -747,60 +735,6 @@ class Capture(RecordView):
             f"<Capture {state}: {len(self._journal.ops)} ops, {len(self._journal.module_calls)} module calls, "
             f"{len(self._backward.passes)} backward passes>"
         )
-
-
-_NOT_EXPLICIT = object()
-
-
-@dataclass
-class _NodeMaps:
-    """Node indices by what their gradients belong to.
-
-    Relations that need node identity (a module call's or input's output node,
-    the one node of a multi-node op that made its output) are resolved at each
-    discovery, while the nodes are held; the rest is read from entries up to
-    entry ``mapped``.
-    """
-
-    output_node_of_op: dict[int, int] = field(default_factory=dict)
-    output_node_of_module: dict[int, int] = field(default_factory=dict)
-    node_of_param: dict[str, int] = field(default_factory=dict)
-    node_of_input: dict[int, tuple[int, int]] = field(default_factory=dict)
-    # op -> index of the node that made its output (None until found), for ops that made several.
-    explicit_output_of_op: dict[int, int | None] = field(default_factory=dict)
-    mapped: int = 0
-    _unresolved: list[tuple[str, int, Any, int]] | None = None
-
-    def resolve(self, journal: ForwardJournal, input_tensors: list[torch.Tensor], index_of: dict) -> None:
-        if self._unresolved is None:
-            self._unresolved = self._identity_relations(journal, input_tensors)
-        still = []
-        for kind, key, node, output_nr in self._unresolved:
-            index = index_of.get(node)
-            if index is None:
-                still.append((kind, key, node, output_nr))
-            elif kind == "module":
-                self.output_node_of_module[key] = index
-            elif kind == "op":
-                self.explicit_output_of_op[key] = index
-            else:
-                self.node_of_input[key] = (index, output_nr)
-        self._unresolved = still
-
-    def _identity_relations(self, journal: ForwardJournal, input_tensors: list[torch.Tensor]) -> list:
-        relations = []
-        for call in journal.module_calls:
-            if call.output_node is not None:
-                relations.append(("module", call.index, call.output_node, call.output_nr))
-        for index in range(len(journal.raw_ops)):
-            node = journal.output_node_of_op(index)
-            if node is not None:
-                self.explicit_output_of_op[index] = None
-                relations.append(("op", index, node, 0))
-        for i, tensor in enumerate(input_tensors):
-            if tensor.grad_fn is not None:
-                relations.append(("input", i, tensor.grad_fn, tensor.output_nr))
-        return relations
 
 
 def _weak_call(capture: Capture, method: str) -> Callable[..., Any]:
