@@ -457,21 +457,22 @@ def test_a_capture_dropped_during_its_own_backward_leaves_the_pass_to_finish_sto
 
 def test_close_leaves_no_autograd_node_behind_in_a_capture_that_is_kept():
     import gc
-    import weakref
+
+    from torch.multiprocessing.reductions import StorageWeakRef
 
     class SavesItsActivation(nn.Module):
         def __init__(self):
             super().__init__()
             self.lin = nn.Linear(4, 4)
-            self.seen = None
+            self.saved = None
 
         def forward(self, x):
-            hidden = torch.relu(self.lin(x))  # ReluBackward0 saves this very tensor
-            self.seen = weakref.ref(hidden)
+            hidden = torch.relu(self.lin(x))  # ReluBackward0 saves this tensor's storage
+            self.saved = StorageWeakRef(hidden.untyped_storage())
             return hidden.sum()
 
     model = SavesItsActivation()
-    cap = bl.capture(model, torch.randn(2, 4), save_grads=True)
+    cap = bl.capture(model, torch.randn(2, 4))
     loss = cap.output
     loss.backward(retain_graph=True)
     cap.grad_fns  # noqa: B018 - records read before close, too
@@ -480,7 +481,7 @@ def test_close_leaves_no_autograd_node_behind_in_a_capture_that_is_kept():
         cap.close()
         del loss
         cap.output = None  # the user's last handle on the graph; the capture itself stays
-        assert model.seen() is None  # no node (and so no saved tensor) is held by the capture
+        assert model.saved.expired()  # no node (and so no saved tensor) is held by the capture
         assert cap.grad_fns and cap.passes[0].calls  # records stay readable
     finally:
         gc.enable()
