@@ -116,6 +116,11 @@ def sequence_nr() -> int | None:
     return _get_sequence_nr() if _get_sequence_nr is not None else None
 
 
+def graph_task_id_function() -> Callable[[], int]:
+    """The raw graph-task-id reader, for hot paths (returns -1 when unavailable)."""
+    return _current_graph_task_id if _current_graph_task_id is not None else (lambda: -1)
+
+
 def current_graph_task_id() -> int:
     """Id of the engine run executing on this thread; -1 outside the engine."""
     return _current_graph_task_id() if _current_graph_task_id is not None else -1

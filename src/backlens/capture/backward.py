@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
 from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from backlens.graph.table import NodeTable
 from backlens.records.backward import BackwardPass
 
 _now = time.perf_counter_ns
-_task_id = _torch.current_graph_task_id
+_task_id = _torch.graph_task_id_function()
 _sequence_nr = _torch.sequence_nr
 _thread = threading.get_ident
 
@@ -108,9 +107,6 @@ class BackwardRecorder:
         self.calls: list[CallEntry] = []
         self.node_calls: list[list[int]] = []
         self._output_roots = list(output_roots)
-        # Hooks live on autograd nodes the recorder holds; they reach it through a
-        # weak reference so a dropped capture (and its graph) can be collected.
-        self._self_ref = weakref.ref(self)
         self._on_nodes_added = on_nodes_added
         self._grad_fn_record = grad_fn_record
         self._on_pass_closed = on_pass_closed
@@ -139,7 +135,7 @@ class BackwardRecorder:
         self.armed = True
         for node in self._output_roots:
             if node not in self._sentinel_nodes:
-                self._handles.append(node.register_prehook(partial(_sentinel_hook, self._self_ref, node)))
+                self._handles.append(node.register_prehook(partial(self._on_sentinel_pre, node)))
                 self._sentinel_nodes.add(node)
         engine.arm(self)
 
@@ -173,14 +169,14 @@ class BackwardRecorder:
             handles = self._handles
             sentinels = self._sentinel_nodes  # their sentinel pre-hook serves as theirs
             post_hooked = self._post_hooked
-            ref = self._self_ref
+            on_pre, on_post = self._on_pre, self._on_post
             for index in added:
                 node_calls.append([])
                 node = nodes[index]
                 if node not in sentinels:
-                    handles.append(node.register_prehook(partial(_pre_hook, ref, index)))
+                    handles.append(node.register_prehook(partial(on_pre, index)))
                 if post_hooked:
-                    handles.append(node.register_hook(partial(_post_hook, ref, index)))
+                    handles.append(node.register_hook(partial(on_post, index)))
         else:
             node_calls.extend([] for _ in added)
         if added:
@@ -195,9 +191,8 @@ class BackwardRecorder:
     def _add_post_hooks(self) -> None:
         """For a pass that may keep outgoing gradients when the nodes so far have no post-hooks."""
         self._post_hooked = True
-        ref = self._self_ref
         for index, node in enumerate(self.table.nodes):
-            self._handles.append(node.register_hook(partial(_post_hook, ref, index)))
+            self._handles.append(node.register_hook(partial(self._on_post, index)))
 
     def claim(self, roots: list[Any], others: list[BackwardRecorder] = ()) -> bool:
         """Whether a run from ``roots`` touches this capture's graph (discovers loss nodes).
@@ -353,11 +348,14 @@ class BackwardRecorder:
 
     # -- hooks (hot path) --------------------------------------------------
     def _current(self, index: int) -> PassState | None:
+        task = _task_id()
+        if task == self._task and self.hooking:
+            return self._pass
+        return self._resolve_pass(index, task)
+
+    def _resolve_pass(self, index: int, task: int) -> PassState | None:
         if not self.hooking:
             return None  # removed while this fire was under way (its capture was collected)
-        task = _task_id()
-        if task == self._task:
-            return self._pass
         nodes = self.table.nodes
         if index >= len(nodes):
             return None
@@ -378,7 +376,8 @@ class BackwardRecorder:
         return self._on_pre(index, grad_outputs)
 
     def _on_pre(self, index: int, grad_outputs: tuple) -> tuple | None:
-        state = self._current(index)
+        task = _task_id()
+        state = self._pass if task == self._task and self.hooking else self._resolve_pass(index, task)
         if state is None:
             return None
         now = _now()
@@ -462,22 +461,6 @@ class BackwardRecorder:
                 return  # it arrived non-finite; the node that made it was reported or is upstream
             bad = "NaN" if torch.isnan(grad).any() else "Inf"
             raise self._failures.nonfinite_error(index, state, bad)
-
-
-def _pre_hook(ref: weakref.ref, index: int, grad_outputs: tuple) -> tuple | None:
-    recorder = ref()
-    return recorder._on_pre(index, grad_outputs) if recorder is not None else None
-
-
-def _post_hook(ref: weakref.ref, index: int, grad_inputs: tuple, grad_outputs: tuple) -> None:
-    recorder = ref()
-    if recorder is not None:
-        recorder._on_post(index, grad_inputs, grad_outputs)
-
-
-def _sentinel_hook(ref: weakref.ref, node: Any, grad_outputs: tuple) -> tuple | None:
-    recorder = ref()
-    return recorder._on_sentinel_pre(node, grad_outputs) if recorder is not None else None
 
 
 def _finite(grad: Any) -> bool:

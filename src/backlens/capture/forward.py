@@ -244,6 +244,11 @@ class ForwardRecorder(TorchFunctionMode):
     instead of two per module) and ignore modules outside the captured model.
     """
 
+    # A subclass method sees every journalled call right after its row:
+    # observe_row(index, func, args, kwargs, out). A method, not an attribute set
+    # per instance: a bound method stored on the recorder would be a reference cycle.
+    observe_row: Callable[..., None] | None = None
+
     def __init__(self, journal: ForwardJournal, activations: ActivationPolicy,
                  op_hook: Callable[[OpEntry, Any], Any] | None = None):
         super().__init__()
@@ -251,8 +256,6 @@ class ForwardRecorder(TorchFunctionMode):
         self.activations = activations
         # An op hook may replace an op's output (activation edits); None keeps the hot path lean.
         self.op_hook = op_hook
-        # Sees every journalled call right after its row: (index, func, args, kwargs, out).
-        self.row_observer: Callable[[int, Any, tuple, dict | None, Any], None] | None = None
         self._ids: dict[int, int] = {}
         self._module_stack: list[int] = []
         self._module_call_counts: dict[str, int] = {}
@@ -372,8 +375,8 @@ class ForwardRecorder(TorchFunctionMode):
             1 if outputs is None else len(outputs), refs_start, len(refs), output_node, output_nr,
             bool(args) and primary is args[0],
         ))
-        if self.row_observer is not None:
-            self.row_observer(index, func, args, kwargs, out)
+        if self.observe_row is not None:
+            self.observe_row(index, func, args, kwargs, out)
         if self.activations.keeps_any or self.op_hook is not None:
             out = self._slow_path(index, out, primary)
         return out

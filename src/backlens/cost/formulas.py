@@ -19,12 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils.flop_counter import (
-    flop_registry,
-    sdpa_backward_flop_count,
-    sdpa_flop_count,
-    shape_wrapper,
-)
+from torch.utils.flop_counter import flop_registry, shape_wrapper
 
 from backlens import _torch
 
@@ -34,15 +29,52 @@ aten = torch.ops.aten
 Tensor = torch.Tensor
 
 
+# The registry's batched-matmul count, unwrapped: its wrapper maps shapes with a
+# pytree walk that costs more than the count and leaves cyclic garbage per call.
+_bmm = flop_registry[aten.bmm].__wrapped__
+
+
+def sdpa_count(query_shape, key_shape, value_shape) -> int:
+    """``torch.utils.flop_counter.sdpa_flop_count`` (same checks, same count) on unwrapped ``bmm``."""
+    b, h_q, s_q, d_q = query_shape
+    b_k, h_kv, s_k, d_k = key_shape
+    b_v, h_v, s_v, d_v = value_shape
+    if not (b == b_k == b_v and h_kv == h_v and d_q == d_k and s_k == s_v) or h_q < h_kv or h_q % h_kv:
+        raise AssertionError(f"attention shapes no fused kernel takes: q={query_shape}, k={key_shape}, "
+                             f"v={value_shape}")
+    n = b * h_q
+    return _bmm((n, s_q, d_q), (n, d_q, s_k)) + _bmm((n, s_q, s_k), (n, s_k, d_v))
+
+
+def sdpa_backward_count(grad_out_shape, query_shape, key_shape, value_shape) -> int:
+    """``torch.utils.flop_counter.sdpa_backward_flop_count`` (same checks, same count) on unwrapped ``bmm``."""
+    b, h_q, s_q, d_q = query_shape
+    b_k, h_kv, s_k, d_k = key_shape
+    b_v, h_v, s_v, d_v = value_shape
+    b_g, h_g, s_g, d_g = grad_out_shape
+    if (not (b == b_k == b_v == b_g and h_kv == h_v and h_q == h_g) or h_q < h_kv or h_q % h_kv
+            or not (d_q == d_k and d_v == d_g and s_k == s_v and s_q == s_g)):
+        raise AssertionError(f"attention backward shapes no fused kernel takes: grad_out={grad_out_shape}, "
+                             f"q={query_shape}, k={key_shape}, v={value_shape}")
+    n = b * h_q
+    return (
+        _bmm((n, s_q, d_q), (n, d_q, s_k))    # recomputed scores
+        + _bmm((n, s_q, d_v), (n, d_v, s_k))  # grad of the scores
+        + _bmm((n, s_k, s_q), (n, s_q, d_v))  # grad of v
+        + _bmm((n, s_q, s_k), (n, s_k, d_q))  # grad of q
+        + _bmm((n, d_q, s_q), (n, s_q, s_k))  # grad of k
+    )
+
+
 def cpu_attention_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
     """Fused attention forward (CPU flash kernel): the registry's sdpa count."""
-    return sdpa_flop_count(query_shape, key_shape, value_shape)
+    return sdpa_count(query_shape, key_shape, value_shape)
 
 
 def cpu_attention_backward_flop(grad_out_shape, query_shape, key_shape, value_shape, *args,
                                 out_shape=None, **kwargs) -> int:
     """Fused attention backward (CPU flash kernel): the registry's sdpa backward count."""
-    return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+    return sdpa_backward_count(grad_out_shape, query_shape, key_shape, value_shape)
 
 
 def _extra_formulas() -> dict[Any, Callable[..., int]]:

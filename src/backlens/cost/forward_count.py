@@ -158,9 +158,9 @@ class FlopForwardRecorder(ForwardRecorder):
         super().__init__(*args, **kwargs)
         self.counted: dict[int, int] = {}
         self.noted: list[tuple[int, Any, Any, Any]] = []
-        self.row_observer = self._count_or_note
 
-    def _count_or_note(self, index: int, func: Any, args: tuple, kwargs: dict | None, out: Any) -> None:
+    def observe_row(self, index: int, func: Any, args: tuple, kwargs: dict | None, out: Any) -> None:  # type: ignore[override]
+        """Count the row's FLOPs from its shapes, or note it for a replay."""
         # After the call: an in-place op keeps its arguments' shapes, strides and dtypes.
         try:
             if func in ZERO_FLOP or getattr(func, "__name__", None) in _ACCESSORS:

@@ -20,10 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import flop_registry
 
+from backlens.cost.formulas import sdpa_count
+
 aten = torch.ops.aten
-# The registry's shape-level formulas, unwrapped: the registered ``addmm``,
-# ``baddbmm`` and ``sdpa_flop_count`` call the *wrapped* ``mm``/``bmm``, whose
-# pytree walk costs more than the count and leaves cyclic garbage per call.
+# The registry's shape-level formulas, unwrapped: the registered ``addmm`` and
+# ``baddbmm`` call the *wrapped* ``mm``/``bmm``, whose pytree walk costs more
+# than the count and leaves cyclic garbage per call.
 _mm = flop_registry[aten.mm].__wrapped__
 _bmm = flop_registry[aten.bmm].__wrapped__
 
@@ -62,17 +64,13 @@ def _two(formula: Callable[..., int]) -> Callable[[tuple, dict | None, Any], int
 
 
 def _attention(args: tuple, kwargs: dict | None, out: Any) -> int:
-    """``sdpa_flop_count`` (two batched matmuls, grouped-query heads allowed), with its checks."""
     query, key, value = (_arg(args, kwargs, i, name) for i, name in enumerate(("query", "key", "value")))
     shapes = [tuple(t.shape) for t in (query, key, value)]
     if all(len(s) == 3 for s in shapes):
         shapes = [(1, *s) for s in shapes]
     if any(len(s) != 4 for s in shapes):
         raise ValueError("attention with other than 3 or 4 dimensions")
-    (b, h_q, s_q, d_q), (b_k, h_kv, s_k, d_k), (b_v, h_v, s_v, d_v) = shapes
-    if not (b == b_k == b_v and h_kv == h_v and d_q == d_k and s_k == s_v) or h_q < h_kv or h_q % h_kv:
-        raise ValueError("attention shapes no fused kernel takes")  # replayed instead
-    return _bmm((b * h_q, s_q, d_q), (b * h_q, d_q, s_k)) + _bmm((b * h_q, s_q, s_k), (b * h_q, s_k, d_v))
+    return sdpa_count(*shapes)  # raises for shapes no fused kernel takes: replayed instead
 
 
 #: torch-level function -> ``count(args, kwargs, out) -> int`` (raises when unsure).
