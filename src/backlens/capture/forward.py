@@ -69,14 +69,6 @@ class ModuleCallEntry:
     output_shape: tuple[int, ...] | None = None
 
 
-@dataclass
-class Source:
-    """A tensor that existed before the forward: a model input or a parameter."""
-
-    kind: str  # "input" | "param" | "buffer"
-    name: str
-
-
 class ForwardJournal:
     """Everything the forward left behind, in recording order."""
 
@@ -90,16 +82,12 @@ class ForwardJournal:
         self._name_counts: dict[str, int] = {}
         self.module_types: dict[str, str] = {}
         self.module_calls: list[ModuleCallEntry] = []
+        # Tensors that existed before the forward, by source index: "input" | "param" | "buffer", name.
         self.source_kinds: list[str] = []
         self.source_names: list[str] = []
         self.seq_start: int | None = None
         self.seq_end: int | None = None
         self._op_seq_starts: list[int] | None = None
-
-    @property
-    def sources(self) -> list[Source]:
-        """The tensors that existed before the forward, by source index."""
-        return [Source(kind, name) for kind, name in zip(self.source_kinds, self.source_names)]
 
     def module_children(self) -> list[list[int]]:
         """Each module call's direct children (call indices), from the parent links."""

@@ -39,7 +39,7 @@ class NodeEntry:
     order: int | None
     is_custom: bool
     param: str | None
-    source: int | None  # index into ForwardJournal.sources for AccumulateGrad of a source
+    source: int | None  # source index (ForwardJournal.source_names) for AccumulateGrad of a source
 
 
 @dataclass(slots=True)
