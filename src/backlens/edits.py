@@ -180,8 +180,8 @@ def when(site: Any, edit: Any) -> Intervention:
 
 
 def as_interventions(value: Any) -> list[Intervention]:
-    if value is None:
-        return []
+    if value is None or (type(value) in (tuple, list) and not value):
+        return []  # the default, on every capture: skip the Iterable check
     if isinstance(value, Intervention):
         return [value]
     if isinstance(value, Interventions):

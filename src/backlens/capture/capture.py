@@ -257,13 +257,13 @@ class Capture(RecordView):
             detect_nonfinite=detect_nonfinite,
         )
         self._cost = cost if cost is not None else CostJournal()
-        if flops:
-            self._backward.observers.append(FlopObserver(self._backward, self._cost))
-        self._backward.observers.append(UnmatchedSelectorWarner(self._backward))
         if backward and not self.inference_only:
+            if flops:
+                self._backward.observers.append(FlopObserver(self._backward, self._cost))
+            self._backward.observers.append(UnmatchedSelectorWarner(self._backward))
             self._backward.arm()
         else:
-            self._backward.hooking = False
+            self._backward.hooking = False  # no pass will open: no pass observers either
 
     # -- forward records ---------------------------------------------------
     @property
