@@ -127,6 +127,24 @@ def test_an_engine_run_that_bypasses_the_entry_points_is_an_implicit_pass():
     assert {c.grad_fn.type for c in implicit.calls} >= {"AddmmBackward0", "AccumulateGrad"}
 
 
+def test_an_implicit_pass_records_every_fire_with_its_timing_like_an_explicit_one():
+    model = MLP()
+    cap = bl.capture(model, torch.randn(2, 6))
+    loss = loss_of(cap.output)
+    engine = torch.autograd.Variable._execution_engine
+    engine.run_backward((loss,), (torch.ones(()),), True, False, (), True, True)
+    loss.backward()
+    implicit, explicit = cap.passes
+    assert implicit.trigger == "implicit" and explicit.trigger == "Tensor.backward"
+    implicit_labels = [c.grad_fn.label for c in implicit.calls]
+    explicit_labels = [c.grad_fn.label for c in explicit.calls]
+    # The loss's own nodes, made after the forward, are found only by the entry points' walk.
+    loss_nodes = explicit_labels[: len(explicit_labels) - len(implicit_labels)]
+    assert explicit_labels[len(loss_nodes):] == implicit_labels
+    assert all(cap.grad_fns[label].module is None for label in loss_nodes)
+    assert all(c.duration is not None and c.duration >= 0 for c in implicit.calls)
+
+
 def test_three_passes_give_dense_call_labels_and_a_loud_op_grad():
     cap = bl.capture(MLP(), torch.randn(2, 6), save_grads=True)
     loss = loss_of(cap.output)
