@@ -6,6 +6,18 @@ import torch
 import torch.nn as nn
 
 
+class BackwardExplodes(torch.autograd.Function):
+    """Doubles in the forward; its backward raises (a pass that fails inside a node)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("backward exploded")
+
+
 class MLP(nn.Module):
     def __init__(self, sizes=(6, 16, 16, 3)):
         super().__init__()

@@ -117,13 +117,9 @@ def sequence_nr() -> int | None:
 
 
 def graph_task_id_function() -> Callable[[], int]:
-    """The raw graph-task-id reader, for hot paths (returns -1 when unavailable)."""
+    """The raw reader of the id of the engine run executing on this thread, for hot
+    paths (-1 outside the engine, and always when unavailable)."""
     return _current_graph_task_id if _current_graph_task_id is not None else (lambda: -1)
-
-
-def current_graph_task_id() -> int:
-    """Id of the engine run executing on this thread; -1 outside the engine."""
-    return _current_graph_task_id() if _current_graph_task_id is not None else -1
 
 
 def current_keep_graph() -> bool | None:

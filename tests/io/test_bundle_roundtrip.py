@@ -14,7 +14,7 @@ import backlens as bl
 from backlens.io import manifest as manifest_io
 from backlens.io.bundle import load
 from backlens.select import func, grad_output, module
-from models import MLP, build, loss_of
+from models import MLP, BackwardExplodes, build, loss_of
 
 
 @pytest.fixture(scope="module")
@@ -136,18 +136,9 @@ def test_a_capture_without_backward_saves_and_loads(tmp_path):
 
 
 def test_a_failed_pass_keeps_its_status_and_message(tmp_path):
-    class Exploding(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x * 2
-
-        @staticmethod
-        def backward(ctx, grad):
-            raise RuntimeError("backward exploded")
-
     lin = torch.nn.Linear(3, 3)
     model = torch.nn.Sequential(lin)
-    model.register_forward_hook(lambda m, i, o: Exploding.apply(o))
+    model.register_forward_hook(lambda m, i, o: BackwardExplodes.apply(o))
     cap = bl.capture(model, torch.randn(2, 3))
     with pytest.raises(RuntimeError):
         cap.output.sum().backward()

@@ -9,7 +9,7 @@ import torch
 
 import backlens as bl
 from backlens.select import func, grad_input, grad_output, in_pass, label
-from models import MLP, loss_of
+from models import MLP, BackwardExplodes, loss_of
 
 
 def unmatched(record):
@@ -70,23 +70,13 @@ def test_a_per_pass_selector_given_to_cap_backward_warns_for_its_pass():
         cap.backward(loss_of(cap.output), save_grads=label("linear_9"))
 
 
-class Exploding(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError("backward exploded")
-
-
 class WithExploding(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.lin = torch.nn.Linear(3, 3)
 
     def forward(self, x):
-        return Exploding.apply(self.lin(x))
+        return BackwardExplodes.apply(self.lin(x))
 
 
 def test_a_failed_pass_does_not_add_a_selector_warning():

@@ -93,6 +93,7 @@ class BackwardRecorder:
         grad_fn_record: Callable[[int], Any],
         on_pass_closed: Callable[[PassState, BaseException | None], BaseException | None],
         failures: Any,
+        source_kinds: list[str],
         detect_nonfinite: bool = False,
     ):
         self.table = table
@@ -110,6 +111,7 @@ class BackwardRecorder:
         self._on_nodes_added = on_nodes_added
         self._grad_fn_record = grad_fn_record
         self._on_pass_closed = on_pass_closed
+        self._source_kinds = source_kinds  # "input" | "param" | "buffer", by source index
         self._handles: list[Any] = []
         self._sentinel_nodes: set[Any] = set()  # output nodes pre-hooked by arm()
         self._post_hooked = self._needs_post_hooks(policy, detect_nonfinite)
@@ -222,8 +224,8 @@ class BackwardRecorder:
             return False
         if self.table.types[index] != "AccumulateGrad":
             return True
-        entry = self.table.entries[index]
-        return entry.source is not None and entry.param is None  # an input's, not a (shared) parameter's
+        source = self.table.leaf_source(index)  # an input's, not a (shared) parameter's
+        return source is not None and self._source_kinds[source] != "param"
 
     # -- passes ----------------------------------------------------------
     def use_policy_for_next_pass(self, policy: GradPolicy | None) -> None:

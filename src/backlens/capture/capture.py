@@ -240,9 +240,8 @@ class Capture(RecordView):
         # The parts below call back into this capture through weak references: a
         # capture without reference cycles is freed (with its graph) as soon as
         # the user drops it, without waiting for the cyclic garbage collector.
-        me = weakref.proxy(self)
         self._table = NodeTable(_weak_call(self, "_describe_node"), _weak_call(self, "_leaf_source"))
-        self._failures = FailureTranslator(me)
+        self._failures = FailureTranslator(weakref.proxy(self))
         roots = [t.grad_fn for t in output_tensors if t.grad_fn is not None]
         self._backward = BackwardRecorder(
             table=self._table,
@@ -251,9 +250,10 @@ class Capture(RecordView):
             timing=timing,
             store=self._store,
             on_nodes_added=_weak_call(self, "_on_nodes_added"),
-            grad_fn_record=lambda i: me._grad_fn_records[i],
+            grad_fn_record=_weak_call(self, "_grad_fn_record"),
             on_pass_closed=_weak_call(self, "_on_pass_closed"),
             failures=self._failures,
+            source_kinds=journal.source_kinds,
             detect_nonfinite=detect_nonfinite,
         )
         self._cost = cost if cost is not None else CostJournal()
@@ -419,6 +419,9 @@ class Capture(RecordView):
     @property
     def _node_of_input(self) -> dict[int, tuple[int, int]]:
         return self._synced_node_maps().node_of_input
+
+    def _grad_fn_record(self, index: int) -> GradFn:
+        return self._grad_fn_records[index]
 
     @property
     def _grad_fn_records(self) -> list[GradFn]:

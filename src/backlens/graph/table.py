@@ -82,6 +82,10 @@ class NodeTable:
     def __len__(self) -> int:
         return len(self.types)
 
+    def leaf_source(self, index: int) -> int | None:
+        """The source an AccumulateGrad node accumulates into (None for other nodes)."""
+        return self._leaf_sources.get(index)
+
     def knows(self, node: Any) -> bool:
         return node in self.index_of
 
@@ -131,7 +135,7 @@ class NodeTable:
                 sequence_nr = self._sequence_nrs[index]
                 is_custom = self.is_custom[index]
                 # None once the capture is gone (a fire under way when it was collected).
-                pairing = self._describe(type_name, sequence_nr, is_custom, self._leaf_sources.get(index)) or Pairing()
+                pairing = self._describe(type_name, sequence_nr, is_custom, self.leaf_source(index)) or Pairing()
                 entries.append(
                     NodeEntry(
                         index=index,
