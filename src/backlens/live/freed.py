@@ -89,7 +89,6 @@ class GraphStore:
     def __init__(self) -> None:
         self._tensors: dict[int, torch.Tensor] = {}
         self._next = 0
-        self.freed = False
 
     def _pack(self, tensor: torch.Tensor) -> int:
         key = self._next
@@ -113,4 +112,3 @@ class GraphStore:
 
     def free(self) -> None:
         self._tensors.clear()
-        self.freed = True
