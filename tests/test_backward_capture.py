@@ -503,3 +503,63 @@ def test_close_leaves_no_autograd_node_behind_in_a_capture_that_is_kept():
         assert cap.grad_fns and cap.passes[0].calls  # records stay readable
     finally:
         gc.enable()
+
+
+def _relu_output_gradient_reference(model, x):
+    """The gradient of the first ReLU's output, by a plain tensor hook."""
+    seen = {}
+    hidden = model.net[1](model.net[0](x))
+    hidden.register_hook(lambda grad: seen.setdefault("relu", grad))
+    loss_of(model.net[2:](hidden)).backward()
+    model.zero_grad(set_to_none=True)
+    return seen["relu"]
+
+
+def test_a_dropped_capture_frees_its_saved_gradients_even_after_its_records_were_read():
+    import gc
+    import weakref
+
+    model, x = MLP(), torch.randn(4, 6)
+    gc.disable()
+    try:
+        cap = bl.capture(model, x, save_grads=True)
+        loss_of(cap.output).backward()
+        kept = weakref.ref(cap.ops["relu_1"].grad)
+        assert cap.grad_fns.to_pandas() is not None and cap.passes[0].calls and cap.params[0].increments
+        assert cap.ops["relu_1"].grad_fn.calls[0].grad_outputs is not None
+        cap.close()
+        del cap
+        assert kept() is None  # reference counting alone freed the saved gradients
+    finally:
+        gc.enable()
+
+
+def test_a_record_kept_after_its_capture_is_dropped_still_reads_gradients_and_nodes():
+    model, x = MLP(), torch.randn(4, 6)
+    reference = _relu_output_gradient_reference(model, x)
+    cap = bl.capture(model, x, save_grads=True)
+    loss_of(cap.output).backward()
+    relu = cap.ops["relu_1"]
+    del cap
+    assert torch.equal(relu.grad, reference)
+    node = relu.grad_fn
+    assert node.type == "ReluBackward0" and node.op.label == "relu_1"
+    assert torch.equal(node.calls[0].grad_outputs[0], reference)
+
+
+def test_records_keep_a_dropped_capture_recording_later_passes():
+    model, x = MLP(), torch.randn(4, 6)
+    reference = _relu_output_gradient_reference(model, x)
+    cap = bl.capture(model, x, save_grads=True)
+    relu, output = cap.ops["relu_1"], cap.output
+    del cap
+    loss_of(output).backward()
+    assert len(relu.grads) == 1 and torch.equal(relu.grad, reference)
+
+
+def test_a_finished_pass_reads_as_the_same_record_each_time():
+    model, x = MLP(), torch.randn(4, 6)
+    cap = bl.capture(model, x)
+    loss_of(cap.output).backward()
+    assert cap.passes[0] is cap.last_pass and cap.last_pass.status == "ok"
+    assert cap.last_pass.calls == cap.grad_fn_calls[:len(cap.last_pass.calls)]

@@ -1,17 +1,20 @@
-"""``bl.capture``: record a forward and every backward pass over its graph."""
+"""``bl.capture``: record a forward and every backward pass over its graph.
+
+:func:`capture` runs the forward under the recorder; the :class:`Capture` it
+returns builds records from its :class:`~backlens.capture.core.CaptureCore`
+on first read and caches them.
+"""
 
 from __future__ import annotations
 
-import contextlib
-import weakref
-from collections.abc import Callable
+import dataclasses
 from typing import Any
 
 import torch
 
 from backlens import _torch
-from backlens.capture.backward import BackwardRecorder, PassState
-from backlens.capture.failures import FailureTranslator
+from backlens.capture.backward import PassState
+from backlens.capture.core import CaptureCore, owning_module
 from backlens.capture.forward import (
     ActivationPolicy,
     ForwardJournal,
@@ -19,30 +22,21 @@ from backlens.capture.forward import (
     iter_named_tensors,
 )
 from backlens.capture.interventions import ArmedEdits
-from backlens.capture.node_maps import NodeMaps
 from backlens.capture.policy import GradPolicy
-from backlens.capture.store import MemoryStore
-from backlens.capture.unmatched import UnmatchedSelectorWarner, warn_if_no_activation_kept
+from backlens.capture.record_source import RecordSource
+from backlens.capture.unmatched import warn_if_no_activation_kept
 from backlens.cost.forward_count import FlopForwardRecorder
 from backlens.cost.journal import CostJournal
-from backlens.cost.observer import FlopObserver
 from backlens.edits import as_interventions
-from backlens.errors import (
-    BackwardUnavailableError,
-    CaptureClosedError,
-    UnsupportedInputError,
-)
-from backlens.graph import engine
-from backlens.graph.table import NodeTable, Pairing
+from backlens.errors import CaptureClosedError, UnsupportedInputError
 from backlens.io.disk_store import make_store
-from backlens.records.backward import GradFn, GradFnCall
+from backlens.records.backward import BackwardPass, GradFn, GradFnCall
 from backlens.records.forward import (
     InputRecord,
     ModuleCallRecord,
     OpRecord,
     ParamRecord,
 )
-from backlens.records.grads import GradRecord
 from backlens.records.view import RecordView
 
 
@@ -102,7 +96,7 @@ def capture(
     warn_if_no_activation_kept(save_activations, journal)
     if armed.any:
         armed.check_sites(journal.ops, journal.module_calls)
-    return Capture(
+    return Capture(CaptureCore(
         model=model,
         output=output,
         journal=journal,
@@ -121,7 +115,7 @@ def capture(
         rerun=(args, kwargs, dict(save_grads=save_grads, save_activations=save_activations, flops=flops,
                                   timing=timing, backward=backward, detect_nonfinite=detect_nonfinite),
                intervene),
-    )
+    ))
 
 
 def _walk_model(model: torch.nn.Module) -> tuple[dict[int, str], dict[str, str], dict, dict]:
@@ -174,96 +168,64 @@ def _named_inputs(args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
 
 
 class Capture(RecordView):
-    """A recorded forward and the backward passes run over its graph."""
+    """A recorded forward and the backward passes run over its graph.
 
-    def __init__(
-        self,
-        *,
-        model: torch.nn.Module,
-        output: Any,
-        journal: ForwardJournal,
-        params: dict[str, torch.nn.Parameter],
-        inputs: list[tuple[str, torch.Tensor]],
-        input_sources: list[int],
-        grad_policy: GradPolicy,
-        backward: bool,
-        timing: bool,
-        flops: bool,
-        forward_grad_mode: tuple[bool, bool],
-        detect_nonfinite: bool = False,
-        cost: CostJournal | None = None,
-        armed: ArmedEdits | None = None,
-        rerun: tuple | None = None,
-        store: Any = None,
-    ):
-        self.output = output
-        self.backward_requested = backward
-        self.flops_enabled = flops
-        self._journal = journal
-        self._model = model
-        self._rerun = rerun
-        self._armed = armed if armed is not None else ArmedEdits([])
-        self._grad_edits_pending = (
-            list(self._armed.gradient_targets(journal.ops, journal.module_calls, self._module_address_of))
-            if self._armed.gradient else []
-        )
-        self._store = store if store is not None else MemoryStore()
-        self._closed = False
-        self._params: dict[str, weakref.ref] = {}
-        self._source_ids: dict[int, int] = {}
-        self._param_shapes: list[tuple] = []
-        for i, (name, param) in enumerate(params.items()):
-            self._params[name] = weakref.ref(param)
-            self._source_ids[id(param)] = i
-            self._param_shapes.append((name, param.shape, param.dtype, param.requires_grad))
-        self._input_tensors = [tensor for _name, tensor in inputs]
-        self._input_source_index = {src: i for i, src in enumerate(input_sources)}
-        for i, (_name, tensor) in enumerate(inputs):
-            self._source_ids[id(tensor)] = input_sources[i]
-        self._node_maps = NodeMaps()
-        self._extra_input_grads: list[tuple[int, GradRecord]] = []
+    Records are built from the core when first read and cached here; they
+    point at the core, not at this object, so dropping the capture frees it,
+    its graph and its saved gradients at once (records you still hold keep
+    what they read from alive).
+    """
+
+    def __init__(self, core: CaptureCore):
+        self._core = core
+        self._source = RecordSource(core, self)
+        self._forward_records: tuple | None = None
         self._grad_fn_cache: list[GradFn] = []
         self._call_records: list[GradFnCall] = []
+        self._pass_records: dict[int, BackwardPass] = {}
+        core.read_records_from(self, self._source)
 
-        self._forward_records: tuple | None = None
-        self._input_meta = [
-            (name, tuple(t.shape), t.dtype, t.requires_grad, isinstance(t, torch.nn.Parameter))
-            for name, t in inputs
-        ]
-        self._first_call_of_module: dict[str, int] = {}
-        for call in journal.module_calls:
-            self._first_call_of_module.setdefault(call.module_address, call.index)
-        output_tensors = [t for _p, t in iter_named_tensors(output)]
-        self.inference_only = not any(t.requires_grad for t in output_tensors)
-        self._inference_cause = _inference_cause(forward_grad_mode, params, inputs)
+    @property
+    def output(self) -> Any:
+        """What the model returned."""
+        return self._core.output
 
-        # The parts below call back into this capture through weak references: a
-        # capture without reference cycles is freed (with its graph) as soon as
-        # the user drops it, without waiting for the cyclic garbage collector.
-        self._table = NodeTable(_weak_call(self, "_describe_node"), _weak_call(self, "_leaf_source"))
-        self._failures = FailureTranslator(weakref.proxy(self))
-        roots = [t.grad_fn for t in output_tensors if t.grad_fn is not None]
-        self._backward = BackwardRecorder(
-            table=self._table,
-            output_roots=roots,
-            policy=grad_policy,
-            timing=timing,
-            store=self._store,
-            on_nodes_added=_weak_call(self, "_on_nodes_added"),
-            grad_fn_record=_weak_call(self, "_grad_fn_record"),
-            on_pass_closed=_weak_call(self, "_on_pass_closed"),
-            failures=self._failures,
-            source_kinds=journal.source_kinds,
-            detect_nonfinite=detect_nonfinite,
-        )
-        self._cost = cost if cost is not None else CostJournal()
-        if backward and not self.inference_only:
-            if flops:
-                self._backward.observers.append(FlopObserver(self._backward, self._cost))
-            self._backward.observers.append(UnmatchedSelectorWarner(self._backward))
-            self._backward.arm()
-        else:
-            self._backward.hooking = False  # no pass will open: no pass observers either
+    @output.setter
+    def output(self, value: Any) -> None:
+        self._core.output = value  # e.g. None, to let go of the graph behind it
+
+    @property
+    def inference_only(self) -> bool:
+        return self._core.inference_only
+
+    @property
+    def backward_requested(self) -> bool:
+        return self._core.backward_requested
+
+    @property
+    def flops_enabled(self) -> bool:
+        return self._core.flops_enabled
+
+    # The core's parts that bundles, cost reports and explanations read.
+    @property
+    def _journal(self) -> ForwardJournal:
+        return self._core.journal
+
+    @property
+    def _backward(self) -> Any:
+        return self._core.backward
+
+    @property
+    def _cost(self) -> CostJournal:
+        return self._core.cost
+
+    @property
+    def _store(self) -> Any:
+        return self._core.store
+
+    @property
+    def _inference_cause(self) -> str:
+        return self._core.inference_cause
 
     # -- forward records ---------------------------------------------------
     @property
@@ -280,7 +242,9 @@ class Capture(RecordView):
         return self._forward_records
 
     def _build_forward_records(self) -> tuple:
-        journal = self._journal
+        core = self._core
+        journal = core.journal
+        source = self._source
         calls = journal.module_calls
         source_kinds, source_names = journal.source_kinds, journal.source_names
         ops = []
@@ -298,8 +262,8 @@ class Capture(RecordView):
                     num_outputs=entry.num_outputs,
                     inplace=entry.inplace,
                     activation=entry.activation,
-                    forward_flops=self._cost.op_flops(entry.index),
-                    _source=self,
+                    forward_flops=core.cost.op_flops(entry.index),
+                    _source=source,
                 )
             )
         modules = []
@@ -317,19 +281,19 @@ class Capture(RecordView):
                     children=[calls[c].address for c in children[call.index]],
                     ops=[ops[i].label for i in range(call.op_start, op_end)],
                     output_shape=call.output_shape,
-                    _source=self,
+                    _source=source,
                 )
             )
         params = [
             ParamRecord(
                 name=name,
-                module=_owning_module(name),
+                module=owning_module(name),
                 shape=tuple(shape),
                 dtype=dtype,
                 requires_grad=requires_grad,
-                _source=self,
+                _source=source,
             )
-            for name, shape, dtype, requires_grad in self._param_shapes
+            for name, shape, dtype, requires_grad in core.param_shapes
         ]
         inputs = [
             InputRecord(
@@ -339,87 +303,13 @@ class Capture(RecordView):
                 dtype=dtype,
                 requires_grad=requires_grad,
                 was_parameter=was_parameter,
-                _source=self,
+                _source=source,
             )
-            for i, (name, shape, dtype, requires_grad, was_parameter) in enumerate(self._input_meta)
+            for i, (name, shape, dtype, requires_grad, was_parameter) in enumerate(core.input_meta)
         ]
         return ops, modules, params, inputs
 
-    # -- node pairing ----------------------------------------------------
-    def _leaf_source(self, node: Any) -> int | None:
-        """The parameter or input an AccumulateGrad node accumulates into (its source index)."""
-        variable = _torch.accumulate_grad_variable(node)
-        return self._source_ids.get(id(variable)) if variable is not None else None
-
-    def _describe_node(self, type_name: str, seq: int | None, is_custom: bool, source: int | None) -> Pairing:
-        journal = self._journal
-        if type_name == "AccumulateGrad":
-            if source is None:
-                return Pairing()
-            kind, name = journal.source_kinds[source], journal.source_names[source]
-            if kind == "param":
-                return Pairing(
-                    module_call=self._first_call_of_module.get(_owning_module(name)),
-                    module_source="paired",
-                    param=name,
-                    source=source,
-                )
-            return Pairing(source=source)
-        if seq is not None and journal.in_forward(seq):
-            op_index = journal.op_index_for_sequence_nr(seq)
-            if op_index is not None:
-                module_call = journal.module_call_of_op(op_index)
-                return Pairing(op=op_index, module_call=module_call,
-                               module_source="paired" if module_call is not None else None)
-            op = journal.op_run_by_custom_node(seq) if is_custom else None
-            if op is not None:
-                # A custom Function's apply is invisible to the mode; its node lands
-                # on the output of the last op its forward ran.
-                return Pairing(op=op.index, module_call=op.module_call, module_source="inferred")
-            call = journal.module_call_for_sequence_nr(seq)
-            if call is not None:
-                return Pairing(module_call=call.index, module_source="inferred")
-            return Pairing()
-        order, creator = self._backward.order_for_created(seq)
-        if creator is not None:
-            creator_entry = self._table.entries[creator]
-            module_call = creator_entry.module_call
-            return Pairing(module_call=module_call, order=order,
-                           module_source="inferred" if module_call is not None else None)
-        return Pairing(order=order)
-
-    def _on_nodes_added(self, indices: list[int]) -> None:
-        """At discovery: relate the new nodes to the forward's tensors by identity (nodes are
-        dropped at close), fingerprint custom Functions' saved tensors, arm gradient edits."""
-        table = self._table
-        nodes = table.nodes
-        for index in indices:
-            if table.is_custom[index]:
-                self._failures.remember_saved(nodes[index])
-        self._node_maps.resolve(self._journal, self._input_tensors, table.index_of)
-        if self._grad_edits_pending:
-            self._arm_grad_edits()
-
-    def _synced_node_maps(self) -> NodeMaps:
-        """Which node made each op's, module call's, parameter's and input's gradient (built on read)."""
-        return self._node_maps.sync(self._table.entries, self._input_source_index)
-
-    @property
-    def _output_node_of_op(self) -> dict[int, int]:
-        return self._synced_node_maps().output_node_of_op
-
-    @property
-    def _output_node_of_module(self) -> dict[int, int]:
-        return self._synced_node_maps().output_node_of_module
-
-    @property
-    def _node_of_param(self) -> dict[str, int]:
-        return self._synced_node_maps().node_of_param
-
-    @property
-    def _node_of_input(self) -> dict[int, tuple[int, int]]:
-        return self._synced_node_maps().node_of_input
-
+    # -- backward records ----------------------------------------------------
     def _grad_fn_record(self, index: int) -> GradFn:
         return self._grad_fn_records[index]
 
@@ -427,8 +317,8 @@ class Capture(RecordView):
     def _grad_fn_records(self) -> list[GradFn]:
         """GradFn records of every discovered node, built on first read."""
         cache = self._grad_fn_cache
-        entries = self._table.entries
-        calls = self._journal.module_calls
+        entries = self._core.table.entries
+        calls = self._core.journal.module_calls
         for entry in entries[len(cache):]:
             cache.append(
                 GradFn(
@@ -442,120 +332,30 @@ class Capture(RecordView):
                     is_custom=entry.is_custom,
                     param=entry.param,
                     sequence_nr=entry.sequence_nr,
-                    _source=self,
+                    _source=self._source,
                 )
             )
         return cache
 
-    def _module_address_of(self, op: Any) -> str | None:
-        calls = self._journal.module_calls
-        return calls[op.module_call].address if op.module_call is not None else None
-
-    def _arm_grad_edits(self) -> None:
-        """Put each gradient edit on the pre-hook of the node its site's output came from."""
-        journal = self._journal
-        per_node: dict[int, list] = {}
-        still_pending = []
-        for kind, index, intervention, site in self._grad_edits_pending:
-            if kind == "op":
-                node = self._output_node_of_op.get(index)
-                output_nr = journal.ops[index].output_nr
-                op, module = journal.ops[index].label, self._module_address_of(journal.ops[index])
-            else:
-                node = self._output_node_of_module.get(index)
-                output_nr = journal.module_calls[index].output_nr
-                op, module = None, journal.module_calls[index].address
-            if node is None:
-                still_pending.append((kind, index, intervention, site))
-                continue
-            per_node.setdefault(node, []).append((output_nr, intervention, site, op, module))
-        self._grad_edits_pending = still_pending
-        for node, edits in per_node.items():
-            self._backward.pre_edits[node] = self._armed.grad_edit(edits)
-
-    def _on_pass_closed(self, state: PassState, error: BaseException | None) -> BaseException | None:
-        # A pass record reaches the capture once read (_pass_list); setting it here
-        # would make every capture a reference cycle.
-        built = self._call_records
-        for i in state.call_indices:  # records read while the pass ran get its FLOPs now
-            if i < len(built):
-                entry = self._backward.calls[i]
-                built[i].flops, built[i].recompute_flops = entry.flops, entry.recompute_flops
-        if error is not None:
-            self._pass_list()  # the explanation reads earlier passes' records
-            return self._failures.translate(state, error)
-        run = state.run
-        if error is None and run.trigger in ("torch.autograd.grad",) and run.inputs and not state.policy.saves_nothing:
-            results = state.result if isinstance(state.result, (tuple, list)) else ()
-            for given, result in zip(run.inputs, results):
-                position = self._input_position(given)
-                if position is not None and isinstance(result, torch.Tensor):
-                    self._extra_input_grads.append((position, GradRecord(result, state.record.number)))
-        return None
-
-    def _input_position(self, tensor: Any) -> int | None:
-        for i, candidate in enumerate(self._input_tensors):
-            if candidate is tensor:
-                return i
-        return None
-
-    # -- the _source protocol records read through -------------------------
-    def _grads_at(self, node_and_nr: tuple[int, int] | None) -> list[GradRecord]:
-        if node_and_nr is None:
-            return []
-        node, output_nr = node_and_nr
-        calls = self._backward.calls
-        grads = []
-        for call_index in self._backward.node_calls[node]:
-            entry = calls[call_index]
-            saved = self._store.load(entry.grad_outputs) if entry.grad_outputs is not None else None
-            if saved is not None and output_nr < len(saved) and saved[output_nr] is not None:
-                grads.append(GradRecord(saved[output_nr], entry.pass_number))
-        return grads
-
-    def _op_grads(self, op_index: int) -> list[GradRecord]:
-        node = self._output_node_of_op.get(op_index)
-        if node is None:
-            return []
-        return self._grads_at((node, self._journal.ops[op_index].output_nr))
-
     def _op_grad_fn(self, op_index: int) -> GradFn | None:
-        self._discover()
-        node = self._output_node_of_op.get(op_index)
+        self._core.discover()
+        node = self._core.output_node_of_op.get(op_index)
         return self._grad_fn_records[node] if node is not None else None
-
-    def _module_output_grads(self, call_index: int) -> list[GradRecord]:
-        node = self._output_node_of_module.get(call_index)
-        if node is None:
-            return []
-        return self._grads_at((node, self._journal.module_calls[call_index].output_nr))
-
-    def _param_increments(self, name: str) -> list[GradRecord]:
-        node = self._node_of_param.get(name)
-        return self._grads_at((node, 0)) if node is not None else []
-
-    def _param_live_grad(self, name: str) -> torch.Tensor | None:
-        param = self._params[name]()
-        return param.grad if param is not None else None
-
-    def _input_grads(self, index: int) -> list[GradRecord]:
-        grads = self._grads_at(self._node_of_input.get(index))
-        grads += [g for i, g in self._extra_input_grads if i == index]
-        return sorted(grads, key=lambda g: g.pass_number)
 
     def _node_calls(self, node_index: int) -> list[GradFnCall]:
         records = self._calls()
-        return [records[i] for i in self._backward.node_calls[node_index]]
+        return [records[i] for i in self._core.backward.node_calls[node_index]]
 
     def _pass_calls(self, number: int) -> list[GradFnCall]:
         records = self._calls()
-        return [records[i] for i in self._backward.passes[number - 1].call_indices]
+        return [records[i] for i in self._core.backward.passes[number - 1].call_indices]
 
     def _calls(self) -> list[GradFnCall]:
-        journal = self._backward.calls
+        backward = self._core.backward
+        store = self._core.store
         records = self._call_records
-        passes = self._backward.passes
-        for entry in journal[len(records):]:
+        passes = backward.passes
+        for entry in backward.calls[len(records):]:
             grad_fn = self._grad_fn_records[entry.node]
             pass_start = passes[entry.pass_number - 1].start_ns
             start = entry.start_ns
@@ -565,8 +365,8 @@ class Capture(RecordView):
                     grad_fn=grad_fn,
                     index=entry.ordinal,
                     pass_number=entry.pass_number,
-                    grad_inputs=self._store.load(entry.grad_inputs) if entry.grad_inputs is not None else None,
-                    grad_outputs=self._store.load(entry.grad_outputs) if entry.grad_outputs is not None else None,
+                    grad_inputs=store.load(entry.grad_inputs) if entry.grad_inputs is not None else None,
+                    grad_outputs=store.load(entry.grad_outputs) if entry.grad_outputs is not None else None,
                     start=(start - pass_start) / 1e9 if start is not None else None,
                     duration=(entry.end_ns - start - entry.hook_ns) / 1e9 if start is not None else None,
                     flops=entry.flops,
@@ -575,9 +375,19 @@ class Capture(RecordView):
             )
         return records
 
-    def _discover(self) -> None:
-        if not self._closed and not self.inference_only:
-            self._backward.discover_forward()
+    def _pass_closed(self, state: PassState, error: BaseException | None) -> BaseException | None:
+        """A pass closed: records read while it ran get its FLOPs; a failure is explained."""
+        built = self._call_records
+        for i in state.call_indices:
+            if i < len(built):
+                entry = self._core.backward.calls[i]
+                built[i].flops, built[i].recompute_flops = entry.flops, entry.recompute_flops
+        if error is None:
+            return None
+        self._pass_list()  # the explanation reads earlier passes' records
+        translated = self._core.failures.translate(state, error)
+        self._pass_records.pop(state.record.number, None)  # copied before its error was explained
+        return translated
 
     # -- record lists (RecordView turns them into the public lists) ------------
     def _op_list(self) -> list[OpRecord]:
@@ -593,19 +403,26 @@ class Capture(RecordView):
         return self._records()[3]
 
     def _grad_fn_list(self) -> list[GradFn]:
-        self._discover()
+        self._core.discover()
         return self._grad_fn_records
 
     def _call_list(self) -> list[GradFnCall]:
-        self._backward.close_stale()
+        self._core.backward.close_stale()
         return self._calls()
 
-    def _pass_list(self) -> list:
-        self._backward.close_stale()
+    def _pass_list(self) -> list[BackwardPass]:
+        """Pass records: copies of the recorder's, pointing at the record source
+        (the recorder's own would make a cycle through the core); a finished
+        pass's copy is kept, a running one's is taken afresh at each read."""
+        self._core.backward.close_stale()
         records = []
-        for state in self._backward.passes:
-            state.record._source = self
-            records.append(state.record)
+        for state in self._core.backward.passes:
+            record = self._pass_records.get(state.record.number)
+            if record is None:
+                record = dataclasses.replace(state.record, _source=self._source)
+                if state.record.status != "running":
+                    self._pass_records[record.number] = record
+            records.append(record)
         return records
 
     # -- backward ----------------------------------------------------------
@@ -614,22 +431,12 @@ class Capture(RecordView):
 
         ``save_grads`` widens or narrows the save policy for this pass only.
         """
-        self._check_backward_available()
-        if loss is None:
-            loss = self._default_loss()
-        policy = GradPolicy(save_grads) if save_grads is not None else None
-        self._backward.use_policy_for_next_pass(policy)
-        engine.set_trigger_override("cap.backward")
-        try:
-            torch.autograd.backward(loss, **backward_kwargs)
-        finally:
-            engine.set_trigger_override(None)
-            self._backward.use_policy_for_next_pass(None)
+        self._core.run_backward(loss, save_grads, backward_kwargs)
 
     @property
     def forward_edits(self) -> list:
         """Every activation edit applied in this capture's forward, with norms before and after."""
-        return list(self._armed.forward_applications)
+        return list(self._core.armed.forward_applications)
 
     def do(self, site: Any, edit: Any, inputs: Any = None, loss: Any = None) -> Capture:
         """Rerun the forward with ``edit`` armed at ``site`` (and the backward when ``loss`` is given).
@@ -638,57 +445,28 @@ class Capture(RecordView):
         original positional inputs (a tuple, or one tensor); ``loss`` is
         ``lambda cap: tensor``.
         """
-        from backlens.edits import as_interventions, when
+        from backlens.edits import when
 
-        if self._rerun is None or self._model is None:
+        core = self._core
+        if core.rerun is None or core.model is None:
             raise CaptureClosedError("This capture cannot rerun its forward (closed or loaded from disk).")
-        args, kwargs, options, intervene = self._rerun
+        args, kwargs, options, intervene = core.rerun
         if inputs is not None:
             args = inputs if isinstance(inputs, tuple) else (inputs,)
         armed = [*as_interventions(intervene), when(site, edit)]
-        new = capture(self._model, *args, intervene=armed, **options, **kwargs)
+        new = capture(core.model, *args, intervene=armed, **options, **kwargs)
         if loss is not None:
             new.backward(loss(new))
         return new
 
-    def _check_backward_available(self) -> None:
-        if self._closed:
-            raise CaptureClosedError(
-                "This capture was closed; its hooks are gone, so it cannot record a backward.",
-            )
-        if not self.backward_requested:
-            raise BackwardUnavailableError(
-                "This capture was made with backward=False: it recorded the forward only "
-                "and installed no gradient hooks.",
-                code="backward_not_requested",
-                remedy="Capture again without backward=False.",
-            )
-        if self.inference_only:
-            raise BackwardUnavailableError(
-                f"This capture has no autograd graph: the forward ran {self._inference_cause}.",
-                code="inference_only",
-                remedy="Capture the forward with gradients enabled (outside torch.no_grad() / "
-                "torch.inference_mode(), with parameters or inputs that require grad).",
-            )
-
-    def _default_loss(self) -> torch.Tensor:
-        tensors = [t for _p, t in iter_named_tensors(self.output)]
-        if len(tensors) == 1 and tensors[0].numel() == 1:
-            return tensors[0]
-        raise BackwardUnavailableError(
-            "cap.backward() needs a loss: the output is not a single scalar tensor.",
-            code="loss_required",
-            remedy="Pass the loss explicitly: cap.backward(loss).",
-        )
-
     # -- lifetime ------------------------------------------------------------
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._core.closed
 
     def disarm(self) -> None:
         """Stop recording later passes; keep every record."""
-        self._backward.remove_hooks()
+        self._core.backward.remove_hooks()
 
     def save(self, path: Any = None, *, overwrite: bool = False) -> Any:
         """Write this capture as a bundle directory (API.md §6, docs/bundles.md); returns its path."""
@@ -701,30 +479,16 @@ class Capture(RecordView):
 
         A ``storage=bl.to_disk(path)`` capture then writes its bundle manifest.
         """
-        if self._closed:
+        core = self._core
+        if core.closed:
             return
-        self._backward.close_stale()
-        self._backward.remove_hooks()
-        self._table.clear()
-        self._failures.forget()
-        self._model = None
-        self._rerun = None
-        self._journal.drop_nodes()
-        self._node_maps.drop_nodes()
-        self._closed = True
-        finish = getattr(self._store, "finish", None)
+        core.close()
+        finish = getattr(core.store, "finish", None)
         try:
             if finish is not None:
                 finish(self)  # to_disk: write the bundle manifest (records outlive close)
         finally:
-            self._store.close()
-
-    def __del__(self) -> None:
-        # A dropped capture takes its hooks and its place in the engine router with it.
-        backward = self.__dict__.get("_backward")
-        if backward is not None and (backward.armed or backward._handles):
-            with contextlib.suppress(Exception):  # at interpreter exit torch may be half gone
-                backward.remove_hooks()
+            core.store.close()
 
     def __enter__(self) -> Capture:
         return self
@@ -733,35 +497,9 @@ class Capture(RecordView):
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else "inference-only" if self.inference_only else "armed"
+        core = self._core
+        state = "closed" if core.closed else "inference-only" if core.inference_only else "armed"
         return (
-            f"<Capture {state}: {len(self._journal.ops)} ops, {len(self._journal.module_calls)} module calls, "
-            f"{len(self._backward.passes)} backward passes>"
+            f"<Capture {state}: {len(core.journal.ops)} ops, {len(core.journal.module_calls)} module calls, "
+            f"{len(core.backward.passes)} backward passes>"
         )
-
-
-def _weak_call(capture: Capture, method: str) -> Callable[..., Any]:
-    """``capture.<method>``, called through a weak reference (None once the capture is gone)."""
-    ref = weakref.ref(capture)
-
-    def call(*args: Any) -> Any:
-        target = ref()
-        return getattr(target, method)(*args) if target is not None else None
-
-    return call
-
-
-def _owning_module(param_name: str) -> str:
-    """``encoder.layer.0.weight`` -> ``encoder.layer.0`` (the root module is ``""``)."""
-    return param_name.rpartition(".")[0]
-
-
-def _inference_cause(grad_mode: tuple[bool, bool], params: dict, inputs: list) -> str:
-    grad_enabled, inference_mode = grad_mode
-    if inference_mode:
-        return "under torch.inference_mode()"
-    if not grad_enabled:
-        return "under torch.no_grad() (grad mode disabled)"
-    if not any(p.requires_grad for p in params.values()) and not any(t.requires_grad for _n, t in inputs):
-        return "with no parameter or input that requires grad (a frozen model)"
-    return "without building an autograd graph to its output"

@@ -9,6 +9,7 @@ tensors is refused before it runs (it would fail misleadingly, or crash).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from backlens.cost.once_only import Fingerprint, changed_since, saved_of
@@ -23,11 +24,13 @@ from backlens.report.explain import (
 if TYPE_CHECKING:
     from backlens.capture.backward import PassState
     from backlens.capture.capture import Capture
+    from backlens.graph.table import NodeTable
 
 
 class FailureTranslator:
-    def __init__(self, capture: Capture):
-        self._capture = capture
+    def __init__(self, table: NodeTable, records: Callable[[], Capture]):
+        self._table = table
+        self._records = records  # the capture whose records explanations name
         self._saved: dict[Any, dict[str, Fingerprint | None]] = {}
 
     def remember_saved(self, node: Any) -> None:
@@ -40,8 +43,8 @@ class FailureTranslator:
         self._saved = {}
 
     def _changed(self) -> dict[str, str]:
-        index_of = self._capture._table.index_of
-        entries = self._capture._table.entries
+        index_of = self._table.index_of
+        entries = self._table.entries
         return {
             entries[index_of[node]].label: detail
             for node, detail in changed_since(self._saved)
@@ -49,7 +52,7 @@ class FailureTranslator:
         }
 
     def _context(self, state: PassState, changed: dict[str, str]) -> FailureContext:
-        cap = self._capture
+        cap = self._records()
         return FailureContext(
             pass_number=state.record.number,
             failed_node=cap._grad_fn_records[state.failed_node] if state.failed_node is not None else None,
@@ -84,5 +87,5 @@ class FailureTranslator:
         return error
 
     def nonfinite_error(self, index: int, state: PassState, bad: str) -> BaseException:
-        grad_fn = self._capture._grad_fn_records[index]
+        grad_fn = self._records()._grad_fn_records[index]
         return nonfinite_explanation(grad_fn, state.record.number, bad).error()

@@ -129,21 +129,20 @@ def build(capture: Any, refs: Refs) -> dict[str, Any]:
 def grad_slots(capture: Any, refs: Refs) -> dict[str, Any]:
     """Where records read gradients from, taken from the live capture's journal.
 
-    Reads Capture internals (``_journal``, ``_output_node_of_op``,
-    ``_output_node_of_module``, ``_node_of_param``, ``_node_of_input``,
-    ``_extra_input_grads``): they are the one source of truth for which
-    node output each record's gradient is.
+    Reads the capture's core (its journal and node maps): they are the one
+    source of truth for which node output each record's gradient is.
     """
-    journal = capture._journal
+    core = capture._core
+    journal = core.journal
     return {
         "ops": [[op, node, journal.ops[op].output_nr]
-                for op, node in sorted(capture._output_node_of_op.items())],
+                for op, node in sorted(core.output_node_of_op.items())],
         "modules": [[call, node, journal.module_calls[call].output_nr]
-                    for call, node in sorted(capture._output_node_of_module.items())],
-        "params": [[name, node] for name, node in capture._node_of_param.items()],
-        "inputs": [[i, node, nr] for i, (node, nr) in sorted(capture._node_of_input.items())],
+                    for call, node in sorted(core.output_node_of_module.items())],
+        "params": [[name, node] for name, node in core.node_of_param.items()],
+        "inputs": [[i, node, nr] for i, (node, nr) in sorted(core.node_of_input.items())],
         "extra_input_grads": [[i, refs.tensor(g.tensor), g.pass_number]
-                              for i, g in capture._extra_input_grads],
+                              for i, g in core.extra_input_grads],
     }
 
 
