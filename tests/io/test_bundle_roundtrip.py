@@ -198,3 +198,29 @@ def test_a_newer_format_version_is_refused_with_a_clear_message(tmp_path):
     with pytest.raises(bl.BundleError, match="format version 99") as info:
         load(path)
     assert info.value.code == "bundle_too_new" and "Upgrade backlens" in str(info.value)
+
+
+def test_a_dropped_loaded_capture_is_freed_without_the_garbage_collector(gpt2_bundle):
+    import gc
+    import weakref
+
+    live, path, _loaded = gpt2_bundle
+    label = next(o.label for o in live.ops if o.grads)
+    gc.disable()
+    try:
+        loaded = load(path)
+        assert len(loaded.grad_fns.to_pandas()) and loaded.passes[0].calls and loaded.ops[label].grads
+        dropped = weakref.ref(loaded)
+        del loaded
+        assert dropped() is None
+    finally:
+        gc.enable()
+
+
+def test_a_record_kept_after_its_loaded_capture_is_dropped_still_reads(gpt2_bundle):
+    live, path, _loaded = gpt2_bundle
+    label = next(o.label for o in live.ops if len(o.grads) == 2)
+    op = load(path).ops[label]
+    assert torch.equal(op.grad_for(pass_=2), live.ops[label].grad_for(pass_=2))
+    assert op.grad_fn.label == live.ops[label].grad_fn.label
+    assert len(op.grad_fn.calls) == len(live.ops[label].grad_fn.calls)

@@ -23,7 +23,7 @@ from backlens.capture.forward import (
 )
 from backlens.capture.interventions import ArmedEdits
 from backlens.capture.policy import GradPolicy
-from backlens.capture.record_source import RecordSource
+from backlens.capture.record_source import LiveRecordSource
 from backlens.capture.unmatched import warn_if_no_activation_kept
 from backlens.cost.forward_count import FlopForwardRecorder
 from backlens.cost.journal import CostJournal
@@ -178,7 +178,7 @@ class Capture(RecordView):
 
     def __init__(self, core: CaptureCore):
         self._core = core
-        self._source = RecordSource(core, self)
+        self._source = LiveRecordSource(core, self)
         self._forward_records: tuple | None = None
         self._grad_fn_cache: list[GradFn] = []
         self._call_records: list[GradFnCall] = []

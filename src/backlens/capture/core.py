@@ -4,7 +4,7 @@ A :class:`CaptureCore` holds what a capture recorded: the forward journal,
 the backward recorder and its node table, the kept gradients. It answers the
 gradient questions records ask (``_op_grads``, ``_param_increments``...). It
 never holds a record: records point at the core (through
-:class:`~backlens.capture.record_source.RecordSource`), and the
+:class:`~backlens.capture.record_source.LiveRecordSource`), and the
 :class:`~backlens.capture.capture.Capture` that caches them points at it too,
 so a dropped capture and its records are freed by reference counting, saved
 gradients included, without waiting for the cycle collector.
@@ -12,7 +12,6 @@ gradients included, without waiting for the cycle collector.
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -371,8 +370,10 @@ class CaptureCore:
         # and its place in the engine router with it.
         backward = self.__dict__.get("backward")
         if backward is not None and (backward.armed or backward._handles):
-            with contextlib.suppress(Exception):  # at interpreter exit torch may be half gone
+            try:
                 backward.remove_hooks()
+            except Exception:  # noqa: BLE001, S110 - at interpreter exit torch (and this module) may be half gone
+                pass
 
 
 def _dead() -> None:

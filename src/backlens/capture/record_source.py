@@ -1,52 +1,36 @@
-"""What a live capture's records read through.
+"""What a live capture's records read through (see :mod:`backlens.records.source`).
 
-A record answers ``op.grads``, ``param.increments``... from the capture's
-:class:`~backlens.capture.core.CaptureCore`, which it keeps alive. Questions
-whose answer is another record (``op.grad_fn``, ``grad_fn.calls``,
-``pass_.calls``) go to the capture that caches records, held weakly: the
-capture holds its records, so a strong reference back would make every read
-capture a reference cycle. A record that outlives its capture gets those
-answers from a fresh capture over the same core.
+Gradient questions are answered straight from the capture's
+:class:`~backlens.capture.core.CaptureCore`, which the source keeps alive;
+questions whose answer is another record go to the capture that caches them.
 """
 
 from __future__ import annotations
 
-import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from backlens.records.source import RecordSource
 
 if TYPE_CHECKING:
     import torch
 
-    from backlens.capture.capture import Capture
     from backlens.capture.core import CaptureCore
-    from backlens.records.backward import GradFn, GradFnCall
-    from backlens.records.base import RecordList
-    from backlens.records.forward import ModuleCallRecord
     from backlens.records.grads import GradRecord
 
 
-class RecordSource:
-    __slots__ = ("_core", "_capture", "_successor", "__weakref__")
+class LiveRecordSource(RecordSource):
+    """A live capture's: gradients come from its core, which this keeps alive."""
 
-    def __init__(self, core: CaptureCore, capture: Capture):
+    __slots__ = ("_core",)
+
+    def __init__(self, core: CaptureCore, capture: Any):
+        super().__init__(capture)
         self._core = core
-        self._capture = weakref.ref(capture)
-        self._successor: Capture | None = None
 
-    def records(self) -> Capture:
-        capture = self._capture()
-        if capture is None:
-            if self._successor is None:
-                from backlens.capture.capture import Capture
+    def _make_successor(self) -> Any:
+        from backlens.capture.capture import Capture
 
-                self._successor = Capture(self._core)
-            capture = self._successor
-        return capture
-
-    @property
-    def modules(self) -> RecordList[ModuleCallRecord]:
-        """The capture's module calls (selectors read the call tree from them)."""
-        return self.records().modules
+        return Capture(self._core)
 
     def _op_grads(self, index: int) -> list[GradRecord]:
         return self._core.op_grads(index)
@@ -62,12 +46,3 @@ class RecordSource:
 
     def _input_grads(self, index: int) -> list[GradRecord]:
         return self._core.input_grads(index)
-
-    def _op_grad_fn(self, index: int) -> GradFn | None:
-        return self.records()._op_grad_fn(index)
-
-    def _node_calls(self, index: int) -> list[GradFnCall]:
-        return self.records()._node_calls(index)
-
-    def _pass_calls(self, number: int) -> list[GradFnCall]:
-        return self.records()._pass_calls(number)

@@ -1,7 +1,8 @@
 """``LoadedCapture``: a bundle read back as the same records a live capture has.
 
 Records are the same classes (``OpRecord``, ``GradFn``, ``GradFnCall``,
-``BackwardPass``, ...) with this object as their ``_source``: it answers the
+``BackwardPass``, ...), reading through a
+:class:`~backlens.records.source.RecordSource` to this object: it answers the
 same ``_source`` questions a live :class:`~backlens.capture.capture.Capture`
 does, from the manifest's journal slots instead of hooks. So
 ``loaded.ops["linear_2"].grads``, ``loaded.grad_fns[...]``, ``loaded.passes``
@@ -35,6 +36,7 @@ from backlens.records.forward import (
     ParamRecord,
 )
 from backlens.records.grads import GradRecord
+from backlens.records.source import RecordSource
 from backlens.records.view import RecordView
 
 
@@ -68,6 +70,7 @@ class LoadedCapture(RecordView):
         self._manifest = manifest
         self._tensors = tensors
         self._closed = False
+        self._source = _LoadedRecordSource(self)
         try:
             self._build(manifest, tensors.get)
         except BundleError:
@@ -90,7 +93,7 @@ class LoadedCapture(RecordView):
             names = {f.name for f in dataclasses.fields(cls) if f.init}
             values = {k: decode(v, get) for k, v in data.items() if k in names and k not in relations}
             if "_source" in names:
-                values["_source"] = self
+                values["_source"] = self._source
             return cls(**values, **relations)
 
         self._ops = [make(OpRecord, d) for d in manifest["ops"]]
@@ -229,3 +232,16 @@ class LoadedCapture(RecordView):
             f"<LoadedCapture {str(self.path)!r}: {len(self._ops)} ops, {len(self._modules)} module calls, "
             f"{len(self._passes)} backward passes>"
         )
+
+
+class _LoadedRecordSource(RecordSource):
+    """A loaded capture's: once it is dropped, kept records read a fresh load of the same bundle."""
+
+    __slots__ = ("_path", "_manifest", "_tensors")
+
+    def __init__(self, capture: LoadedCapture):
+        super().__init__(capture)
+        self._path, self._manifest, self._tensors = capture.path, capture._manifest, capture._tensors
+
+    def _make_successor(self) -> LoadedCapture:
+        return LoadedCapture(self._path, self._manifest, self._tensors)
