@@ -2,7 +2,7 @@
 
 A :class:`CaptureCore` holds what a capture recorded: the forward journal,
 the backward recorder and its node table, the kept gradients. It answers the
-gradient questions records ask (``_op_grads``, ``_param_increments``...). It
+gradient questions records ask (``op_grads``, ``param_increments``...). It
 never holds a record: records point at the core (through
 :class:`~backlens.capture.record_source.LiveRecordSource`), and the
 :class:`~backlens.capture.capture.Capture` that caches them points at it too,
