@@ -208,10 +208,6 @@ class Capture(RecordView):
 
     # The core's parts that bundles, cost reports and explanations read.
     @property
-    def _journal(self) -> ForwardJournal:
-        return self._core.journal
-
-    @property
     def _backward(self) -> Any:
         return self._core.backward
 
@@ -382,12 +378,7 @@ class Capture(RecordView):
             if i < len(built):
                 entry = self._core.backward.calls[i]
                 built[i].flops, built[i].recompute_flops = entry.flops, entry.recompute_flops
-        if error is None:
-            return None
-        self._pass_list()  # the explanation reads earlier passes' records
-        translated = self._core.failures.translate(state, error)
-        self._pass_records.pop(state.record.number, None)  # copied before its error was explained
-        return translated
+        return self._core.failures.translate(state, error) if error is not None else None
 
     # -- record lists (RecordView turns them into the public lists) ------------
     def _op_list(self) -> list[OpRecord]:

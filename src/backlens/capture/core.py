@@ -97,7 +97,7 @@ class CaptureCore:
 
         # The parts below call back into this core, and the core into the capture
         # that caches records, through weak references: no reference cycle.
-        self._capture: Callable[[], Any] = _dead
+        self._capture: Callable[[], Any] = lambda: None
         self._record_sources: weakref.WeakSet = weakref.WeakSet()
         self.table = NodeTable(_weak_call(self, "_describe_node"), _weak_call(self, "_leaf_source"))
         self.failures = FailureTranslator(self.table, _weak_call(self, "records"))
@@ -374,10 +374,6 @@ class CaptureCore:
                 backward.remove_hooks()
             except Exception:  # noqa: BLE001, S110 - at interpreter exit torch (and this module) may be half gone
                 pass
-
-
-def _dead() -> None:
-    return None
 
 
 def _weak_call(target: Any, method: str) -> Callable[..., Any]:
