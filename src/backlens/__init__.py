@@ -8,6 +8,8 @@ your code during the real forward and backward.
 from backlens import bench, report
 from backlens._version import __version__
 from backlens.capture.capture import Capture, capture
+from backlens.derive.dispatch import derive
+from backlens.derive.record import DerivedGrads
 from backlens.edits import add_noise, clamp, clip_norm, grad, scale, when, zero_ablate
 from backlens.errors import (
     AmbiguousGradError,
@@ -16,6 +18,7 @@ from backlens.errors import (
     BackwardUnavailableError,
     BundleError,
     CaptureClosedError,
+    DeriveError,
     FreedGraphError,
     LabelNotFoundError,
     NoGradForwardError,
@@ -25,6 +28,7 @@ from backlens.errors import (
     OutOfOrderError,
     SavedTensorModifiedError,
     TraceError,
+    UnsupportedFrameworkError,
     UnsupportedInputError,
 )
 from backlens.graph.engine import CallSite
@@ -56,6 +60,7 @@ __all__ = [
     "BackwardUnavailableError",
     "BundleError",
     "CaptureClosedError",
+    "DeriveError",
     "FreedGraphError",
     "LabelNotFoundError",
     "NoGradForwardError",
@@ -65,6 +70,7 @@ __all__ = [
     "OutOfOrderError",
     "SavedTensorModifiedError",
     "TraceError",
+    "UnsupportedFrameworkError",
     "UnsupportedInputError",
     # capture and its records
     "BackwardPass",
@@ -74,6 +80,9 @@ __all__ = [
     "GradFnCall",
     "GradRecord",
     "capture",
+    # other frameworks
+    "DerivedGrads",
+    "derive",
     # selectors
     "Selector",
     "func",

@@ -15,6 +15,7 @@ __all__ = [
     "BackwardUnavailableError",
     "BundleError",
     "CaptureClosedError",
+    "DeriveError",
     "FreedGraphError",
     "LabelNotFoundError",
     "NoGradForwardError",
@@ -24,6 +25,7 @@ __all__ = [
     "SavedTensorModifiedError",
     "OutOfOrderError",
     "TraceError",
+    "UnsupportedFrameworkError",
     "UnsupportedInputError",
 ]
 
@@ -139,6 +141,37 @@ class UnsupportedInputError(BacklensError, ValueError):
 
     code = "unsupported_input"
     remedy = "Pass the kind of value the message names."
+
+
+class UnsupportedFrameworkError(UnsupportedInputError, NotImplementedError):
+    """A torch-only call got another framework's model (JAX, tinygrad, MLX, Paddle, TensorFlow).
+
+    Also an :class:`UnsupportedInputError`, which such calls raised before
+    they named the framework. ``framework`` is the framework's name.
+    """
+
+    code = "unsupported_framework"
+    remedy = ("Backward capture and live tracing are torch-only; use bl.derive(fn, params, *inputs) "
+              "for gradients derived with that framework's own autodiff.")
+
+    def __init__(self, message: str, *, framework: str | None = None, code: str | None = None,
+                 remedy: str | None = None):
+        self.framework = framework
+        super().__init__(message, code=code, remedy=remedy)
+
+    def __reduce__(self):
+        return (_rebuild_framework, (type(self), self.message, self.framework, self.code, self.remedy))
+
+
+def _rebuild_framework(cls, message, framework, code, remedy):
+    return cls(message, framework=framework, code=code, remedy=remedy)
+
+
+class DeriveError(BacklensError, RuntimeError):
+    """``bl.derive`` could not derive gradients that describe the function's run."""
+
+    code = "derive_failed"
+    remedy = "Make fn(params, *inputs) a pure function of its arguments that returns a scalar loss."
 
 
 class OnceOnlyNodeError(BacklensError, RuntimeError):

@@ -27,6 +27,7 @@ from backlens.capture.record_source import LiveRecordSource
 from backlens.capture.unmatched import warn_if_no_activation_kept
 from backlens.cost.forward_count import FlopForwardRecorder
 from backlens.cost.journal import CostJournal
+from backlens.derive.frameworks import refuse_other_framework
 from backlens.edits import as_interventions
 from backlens.errors import CaptureClosedError, UnsupportedInputError
 from backlens.io.disk_store import make_store
@@ -60,6 +61,7 @@ def capture(
     without backlens. See API.md §1 for every option.
     """
     if not isinstance(model, torch.nn.Module):
+        refuse_other_framework(model, args, kwargs, "bl.capture")
         raise UnsupportedInputError(
             f"bl.capture needs a torch.nn.Module, got {type(model).__name__}.",
             code="not_a_module",

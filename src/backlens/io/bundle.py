@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from backlens.derive import bundle as derived_bundle
 from backlens.errors import BundleError
 from backlens.io import manifest as manifest_io
 from backlens.io.disk_store import MANIFEST, STREAM_MARKER, DiskStore, check_target
@@ -192,6 +193,8 @@ def load(path: str | os.PathLike, *, verify: bool = True) -> LoadedCapture:
         raise BundleError(f"{manifest_path}: missing: {root} is not a backlens bundle.",
                           code="bundle_not_a_bundle",
                           remedy="Point bl.load at a directory cap.save(path) wrote.")
+    if derived_bundle.is_derived(root):
+        return derived_bundle.load(root, verify=verify)
     manifest = manifest_io.read(manifest_path)
     entries = _check_tensors(root, manifest["tensors"], verify)
     return LoadedCapture(root, manifest, TensorIndex(root, entries))

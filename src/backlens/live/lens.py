@@ -16,6 +16,7 @@ from typing import Any
 
 from torch import nn
 
+from backlens.derive.frameworks import refuse_other_framework
 from backlens.errors import TraceError, UnsupportedInputError
 from backlens.live.batching import Batcher, ConcatBatcher
 from backlens.live.context import current_block
@@ -267,6 +268,7 @@ def navigate(root: Any, steps: tuple[tuple[str, Any], ...]) -> Lens | None:
 def wrap(model: nn.Module, batcher: Batcher | None = None) -> Lens:
     """A :class:`Lens` over ``model``; ``batcher`` combines invokes (default: concat on dim 0)."""
     if not isinstance(model, nn.Module):
+        refuse_other_framework(model, (), {}, "bl.wrap")
         raise UnsupportedInputError(
             f"bl.wrap() needs a torch.nn.Module, got {type(model).__name__}.",
             code="not_a_module",

@@ -1,0 +1,412 @@
+"""A derived-gradients bundle: its own small schema, written and read here.
+
+Layout of the directory::
+
+    manifest.json          the fields below, then "checksum"
+    tensors.safetensors    every array, by the names the manifest gives
+
+Manifest (``kind`` ``"derived"``, ``format_version`` 1)::
+
+    format            "backlens.derived"
+    kind              "derived"
+    format_version    1
+    backlens_version  str
+    created           ISO time, UTC
+    framework         str              framework_version  str
+    output            {tensor, dtype, shape}
+    leaf_grads        [{name, tensor, dtype, shape}]     in the record's order
+    intermediates     null | {records: [{label, op, output_index, status,
+                      tensor, dtype, shape}], withheld: {reason: count}, notes: [str]}
+    notes             [str]
+    file              {name: "tensors.safetensors", bytes, sha256}
+    checksum          sha256 of the canonical JSON of every field above
+
+Reading trusts nothing in the directory: the manifest's size is bounded and
+every field is checked against this schema (exact key sets, types, ranges);
+the one tensor file has a fixed name, is never a symlink, and its bytes are
+hashed before they are parsed, from the same bytes in memory; every array's
+name, dtype and shape must be the manifest's. Nothing the manifest names is
+imported or instantiated. Any problem is a :class:`BundleError` naming the file.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import re
+import shutil
+import stat
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import safetensors.numpy
+
+from backlens._version import __version__
+from backlens.derive.record import EXACT, DerivedGrads, IntermediateGrad, IntermediateGrads
+from backlens.errors import BundleError
+
+FORMAT = "backlens.derived"
+KIND = "derived"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+TENSORS = "tensors.safetensors"
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+_PARSE_WHOLE_BELOW = 1024 * 1024
+_OPENING = re.compile(rb'\A\s*\{\s*"format"\s*:\s*"backlens\.derived"\s*,\s*"kind"\s*:\s*"derived"')
+DTYPES = ("bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64",
+          "float16", "float32", "float64")
+
+# -- writing -------------------------------------------------------------------------
+
+
+def save(grads: DerivedGrads, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
+    """Write ``grads`` as a bundle at ``path`` (all or nothing); returns the path."""
+    target = Path(path)
+    _check_target(target, overwrite)
+    arrays: dict[str, np.ndarray] = {}
+
+    def entry(key: str, array: np.ndarray) -> dict[str, Any]:
+        array = np.require(array, requirements='C')  # (ascontiguousarray would make a 0-d array 1-d)
+        if array.dtype.name not in DTYPES:
+            raise BundleError(f"{target}: cannot store an array of dtype {array.dtype} ({key}).",
+                              code="bundle_unsupported_dtype", remedy="Cast the gradients to float32.")
+        arrays[key] = array
+        return {"tensor": key, "dtype": array.dtype.name, "shape": list(array.shape)}
+
+    body: dict[str, Any] = {
+        "format": FORMAT,
+        "kind": KIND,
+        "format_version": FORMAT_VERSION,
+        "backlens_version": __version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "framework": grads.framework,
+        "framework_version": grads.version,
+        "output": entry("output", grads.output),
+        "leaf_grads": [{"name": name, **entry(f"leaf.{i}", g)}
+                       for i, (name, g) in enumerate(grads.leaf_grads.items())],
+        "intermediates": None,
+        "notes": list(grads.notes),
+    }
+    if grads.intermediates is not None:
+        body["intermediates"] = {
+            "records": [{"label": r.label, "op": r.op, "output_index": r.output_index, "status": r.status,
+                         **entry(f"intermediate.{i}", r.grad)}
+                        for i, r in enumerate(grads.intermediates)],
+            "withheld": dict(grads.intermediates.withheld),
+            "notes": list(grads.intermediates.notes),
+        }
+    payload = safetensors.numpy.save(arrays)
+    body["file"] = {"name": TENSORS, "bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    body["checksum"] = _checksum(body)
+
+    parent = target.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        _remove_leftovers(target)
+        temporary = parent / f".{target.name}.partial-{uuid.uuid4().hex[:12]}"
+        temporary.mkdir()
+    except OSError as exc:
+        raise BundleError(f"{target}: cannot write here ({exc.strerror or exc}).",
+                          code="bundle_write_failed", remedy="Choose a writable location.") from exc
+    try:
+        _write_file(temporary / TENSORS, payload)
+        _write_file(temporary / MANIFEST, json.dumps(body, indent=1).encode("utf-8"))
+        _move_into_place(temporary, target, overwrite)
+    except BaseException as exc:
+        shutil.rmtree(temporary, ignore_errors=True)
+        if isinstance(exc, OSError):
+            raise BundleError(f"{target}: writing the bundle failed ({exc.strerror or exc}).",
+                              code="bundle_write_failed",
+                              remedy="Choose a writable location with enough free space.") from exc
+        raise
+    return target
+
+
+def _checksum(body: dict[str, Any]) -> str:
+    canonical = json.dumps({k: v for k, v in body.items() if k != "checksum"}, sort_keys=True,
+                           separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    with open(path, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _check_target(target: Path, overwrite: bool) -> None:
+    if not (target.exists() or target.is_symlink()):
+        return
+    if target.is_symlink() or not target.is_dir():
+        raise BundleError(f"{target}: exists and is not a directory; a bundle is a directory.",
+                          code="bundle_not_a_directory", remedy="Choose a path that does not exist yet.")
+    if not any(target.iterdir()):
+        return
+    if not overwrite:
+        raise BundleError(f"{target}: already exists and is not empty.", code="bundle_exists",
+                          remedy="Choose a new path, or pass overwrite=True to replace the bundle there.")
+    if not _is_bundle(target):
+        raise BundleError(f"{target}: exists and is not a backlens bundle; refusing to replace it.",
+                          code="bundle_not_a_bundle",
+                          remedy="Choose a new path; overwrite=True only replaces bundles.")
+
+
+def _is_bundle(path: Path) -> bool:
+    try:
+        with open(path / MANIFEST, "rb") as handle:
+            head = handle.read(4096)
+    except OSError:
+        return False
+    return b'"format": "backlens.' in head or b'"format":"backlens.' in head
+
+
+def _remove_leftovers(target: Path) -> None:
+    for pattern in (f".{target.name}.partial-*", f".{target.name}.old-*"):
+        for leftover in target.parent.glob(pattern):
+            if leftover.is_dir() and not leftover.is_symlink():
+                shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _move_into_place(temporary: Path, target: Path, overwrite: bool) -> None:
+    old = None
+    if target.exists() and any(target.iterdir()):
+        if not overwrite:  # appeared while we were writing
+            raise BundleError(f"{target}: already exists.", code="bundle_exists",
+                              remedy="Choose a new path, or pass overwrite=True.")
+        old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:12]}"
+        os.rename(target, old)
+    elif target.exists():
+        target.rmdir()
+    try:
+        os.rename(temporary, target)
+    except OSError:
+        if old is not None:
+            os.rename(old, target)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# -- reading -------------------------------------------------------------------------
+
+
+def is_derived(root: str | os.PathLike) -> bool:
+    """Whether the bundle directory ``root`` holds a derived-gradients manifest (top-level
+    ``"kind": "derived"``). A cheap test; a full, checked read is :func:`load`'s job.
+
+    A small manifest is parsed; a large one is recognised by its opening, which
+    this module's writer always makes ``{"format": "backlens.derived", "kind": "derived"``.
+    """
+    path = Path(root) / MANIFEST
+    try:
+        if path.is_symlink() or not path.is_file():
+            return False
+        size = path.stat().st_size
+        with open(path, "rb") as handle:
+            head = handle.read(min(size, _PARSE_WHOLE_BELOW))
+    except OSError:
+        return False
+    if size <= _PARSE_WHOLE_BELOW:
+        try:
+            manifest = json.loads(head)
+        except ValueError:
+            return False
+        return isinstance(manifest, dict) and manifest.get("kind") == KIND
+    return _OPENING.match(head) is not None
+
+
+def load(root: str | os.PathLike, *, verify: bool = True) -> DerivedGrads:
+    """Read the derived-gradients bundle at ``root``, checking it all first.
+
+    ``verify`` is accepted for symmetry with capture bundles: the one tensor
+    file is always hashed, since it is read whole anyway.
+    """
+    root = Path(root)
+    manifest_path = root / MANIFEST
+    manifest = _read_manifest(manifest_path)
+    arrays = _read_tensors(root / TENSORS, manifest["file"])
+    return _build(manifest, arrays, manifest_path)
+
+
+def _read_bytes(path: Path, limit: int) -> bytes:
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        descriptor = os.open(path, flags)
+    except OSError as exc:
+        if path.is_symlink():
+            raise BundleError(f"{path}: is a symlink; bundles never follow links.", code="bundle_corrupt",
+                              remedy="Replace the link with the file itself.") from exc
+        raise BundleError(f"{path}: cannot read ({exc.strerror or exc}).", code="bundle_missing_file",
+                          remedy="The bundle is incomplete; save it again.") from exc
+    with os.fdopen(descriptor, "rb") as handle:
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise BundleError(f"{path}: not a regular file.", code="bundle_corrupt")
+        if info.st_size > limit:
+            raise BundleError(f"{path}: {info.st_size} bytes, more than the {limit} this file may have.",
+                              code="bundle_corrupt", remedy="The bundle is damaged; save it again.")
+        data = handle.read(limit + 1)
+    if len(data) > limit:
+        raise BundleError(f"{path}: grew past {limit} bytes while being read.", code="bundle_corrupt")
+    return data
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    raw = _read_bytes(path, MAX_MANIFEST_BYTES)
+    try:
+        manifest = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise BundleError(f"{path}: malformed JSON ({exc}).", code="bundle_corrupt") from exc
+    fail = _Checker(path)
+    fail.keys(manifest, "manifest", {"format", "kind", "format_version", "backlens_version", "created",
+                                     "framework", "framework_version", "output", "leaf_grads",
+                                     "intermediates", "notes", "file", "checksum"})
+    if manifest["format"] != FORMAT or manifest["kind"] != KIND:
+        raise BundleError(f"{path}: not a derived-gradients manifest (format {manifest['format']!r}, "
+                          f"kind {manifest['kind']!r}).", code="bundle_not_a_bundle")
+    version = manifest["format_version"]
+    fail.integer(version, "format_version", minimum=1)
+    if version > FORMAT_VERSION:
+        raise BundleError(
+            f"{path}: written in derived bundle format version {version} (by backlens "
+            f"{manifest['backlens_version']!r}); this backlens ({__version__}) reads up to {FORMAT_VERSION}.",
+            code="bundle_too_new", remedy="Upgrade backlens to load this bundle.")
+    if manifest["checksum"] != _checksum(manifest):
+        raise BundleError(f"{path}: checksum mismatch: the manifest was changed or corrupted.",
+                          code="bundle_corrupt", remedy="The bundle is damaged; save it again.")
+    for name in ("backlens_version", "created", "framework", "framework_version"):
+        fail.string(manifest[name], name)
+    fail.tensor_ref(manifest["output"], "output", set())
+    fail.keys(manifest["file"], "file", {"name", "bytes", "sha256"})
+    if manifest["file"]["name"] != TENSORS:
+        fail.wrong("file.name", f"must be {TENSORS!r}")
+    fail.integer(manifest["file"]["bytes"], "file.bytes", minimum=8)
+    fail.string(manifest["file"]["sha256"], "file.sha256")
+    fail.strings(manifest["notes"], "notes")
+    fail.list(manifest["leaf_grads"], "leaf_grads")
+    names = set()
+    for i, leaf in enumerate(manifest["leaf_grads"]):
+        fail.tensor_ref(leaf, f"leaf_grads[{i}]", {"name"})
+        fail.string(leaf["name"], f"leaf_grads[{i}].name")
+        if leaf["name"] in names:
+            fail.wrong(f"leaf_grads[{i}].name", f"repeats {leaf['name']!r}")
+        names.add(leaf["name"])
+    inter = manifest["intermediates"]
+    if inter is not None:
+        fail.keys(inter, "intermediates", {"records", "withheld", "notes"})
+        fail.list(inter["records"], "intermediates.records")
+        for i, record in enumerate(inter["records"]):
+            where = f"intermediates.records[{i}]"
+            fail.tensor_ref(record, where, {"label", "op", "output_index", "status"})
+            fail.string(record["label"], f"{where}.label")
+            fail.string(record["op"], f"{where}.op")
+            fail.integer(record["output_index"], f"{where}.output_index", minimum=0)
+            if record["status"] != EXACT:
+                fail.wrong(f"{where}.status", f"must be {EXACT!r}")
+        if not isinstance(inter["withheld"], dict):
+            fail.wrong("intermediates.withheld", "must be an object")
+        for reason, count in inter["withheld"].items():
+            fail.string(reason, "intermediates.withheld key")
+            fail.integer(count, f"intermediates.withheld[{reason!r}]", minimum=0)
+        fail.strings(inter["notes"], "intermediates.notes")
+    tensors = [manifest["output"]["tensor"], *(leaf["tensor"] for leaf in manifest["leaf_grads"]),
+               *(r["tensor"] for r in (inter or {}).get("records", []))]
+    if len(set(tensors)) != len(tensors):
+        fail.wrong("tensor names", "two fields name the same tensor")
+    return manifest
+
+
+class _Checker:
+    """Schema checks that raise BundleError naming the manifest and the field."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def wrong(self, field: str, what: str) -> None:
+        raise BundleError(f"{self.path}: field {field} {what}.", code="bundle_corrupt",
+                          remedy="The bundle is damaged or was not written by backlens; save it again.")
+
+    def keys(self, value: Any, field: str, expected: set[str]) -> None:
+        if not isinstance(value, dict):
+            self.wrong(field, "must be an object")
+        if set(value) != expected:
+            missing, extra = sorted(expected - set(value)), sorted(set(value) - expected)
+            self.wrong(field, f"has the wrong keys (missing {missing}, unexpected {extra})")
+
+    def string(self, value: Any, field: str) -> None:
+        if not isinstance(value, str):
+            self.wrong(field, "must be a string")
+
+    def strings(self, value: Any, field: str) -> None:
+        self.list(value, field)
+        for i, item in enumerate(value):
+            self.string(item, f"{field}[{i}]")
+
+    def list(self, value: Any, field: str) -> None:
+        if not isinstance(value, list):
+            self.wrong(field, "must be a list")
+
+    def integer(self, value: Any, field: str, minimum: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            self.wrong(field, f"must be an integer >= {minimum}")
+
+    def tensor_ref(self, value: Any, field: str, other_keys: set[str]) -> None:
+        self.keys(value, field, {"tensor", "dtype", "shape"} | other_keys)
+        self.string(value["tensor"], f"{field}.tensor")
+        if value["dtype"] not in DTYPES:
+            self.wrong(f"{field}.dtype", f"is not one of {', '.join(DTYPES)}")
+        self.list(value["shape"], f"{field}.shape")
+        for n in value["shape"]:
+            self.integer(n, f"{field}.shape", minimum=0)
+
+
+def _read_tensors(path: Path, info: dict[str, Any]) -> dict[str, np.ndarray]:
+    data = _read_bytes(path, info["bytes"])
+    if len(data) != info["bytes"]:
+        what = "truncated" if len(data) < info["bytes"] else "has extra bytes"
+        raise BundleError(f"{path}: {what} ({len(data)} bytes, the manifest says {info['bytes']}).",
+                          code="bundle_corrupt", remedy="The bundle is damaged; save it again.")
+    if hashlib.sha256(data).hexdigest() != info["sha256"]:
+        raise BundleError(f"{path}: sha256 mismatch: the file is corrupt.", code="bundle_corrupt",
+                          remedy="The bundle is damaged; save it again.")
+    try:
+        return safetensors.numpy.load(data)
+    except Exception as exc:  # the parser's own error types vary by version
+        raise BundleError(f"{path}: not a readable safetensors file ({exc}).", code="bundle_corrupt",
+                          remedy="The bundle is damaged; save it again.") from exc
+
+
+def _build(manifest: dict[str, Any], arrays: dict[str, np.ndarray], path: Path) -> DerivedGrads:
+    inter = manifest["intermediates"]
+    refs = [manifest["output"], *manifest["leaf_grads"], *((inter or {}).get("records", []))]
+    if set(arrays) != {ref["tensor"] for ref in refs}:
+        raise BundleError(f"{path.parent / TENSORS}: holds arrays {sorted(arrays)}, not the ones the manifest "
+                          "lists.", code="bundle_corrupt", remedy="The bundle is damaged; save it again.")
+
+    def array(ref: dict[str, Any]) -> np.ndarray:
+        value = arrays[ref["tensor"]]
+        if value.dtype.name != ref["dtype"] or list(value.shape) != ref["shape"]:
+            raise BundleError(f"{path.parent / TENSORS}: array {ref['tensor']!r} is {value.dtype}{list(value.shape)}, "
+                              f"the manifest says {ref['dtype']}{ref['shape']}.", code="bundle_corrupt",
+                              remedy="The bundle is damaged; save it again.")
+        return value
+
+    intermediates = None
+    if inter is not None:
+        intermediates = IntermediateGrads(
+            [IntermediateGrad(r["label"], r["op"], r["output_index"], array(r), r["status"])
+             for r in inter["records"]],
+            inter["withheld"], inter["notes"])
+    return DerivedGrads(
+        framework=manifest["framework"],
+        version=manifest["framework_version"],
+        output=array(manifest["output"]),
+        leaf_grads={leaf["name"]: array(leaf) for leaf in manifest["leaf_grads"]},
+        intermediates=intermediates,
+        notes=tuple(manifest["notes"]),
+    )

@@ -1,0 +1,82 @@
+"""TensorFlow / Keras (TensorFlow backend): ``tf.GradientTape`` over trainable variables.
+
+``params`` is a ``tf.Module`` or Keras model (its ``trainable_variables``), a
+dict of variables, or one variable. Float input tensors are watched too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from backlens.derive.outputs import check_same_output, input_name, scalar_loss
+from backlens.derive.record import DerivedGrads, IntermediateGrads
+from backlens.errors import UnsupportedInputError
+
+
+def _variable_name(variable: Any) -> str:
+    path = getattr(variable, "path", None)  # Keras 3: "dense/kernel"
+    if isinstance(path, str) and path:
+        return path
+    name = str(getattr(variable, "name", "variable"))
+    return name[:-2] if name.endswith(":0") else name
+
+
+def _is_float_variable(value: Any) -> bool:
+    """A tf.Variable or a Keras variable (which wraps one) holding floats."""
+    if not hasattr(value, "assign") or not hasattr(value, "dtype"):
+        return False
+    try:
+        return tf.as_dtype(value.dtype).is_floating
+    except TypeError:
+        return False
+
+
+def declared_variables(params: Any) -> dict[str, Any]:
+    if isinstance(params, dict):
+        return {str(k): v for k, v in params.items() if _is_float_variable(v)}
+    if _is_float_variable(params):
+        return {"params": params}
+    variables = getattr(params, "trainable_variables", None)
+    if variables is None:
+        raise UnsupportedInputError(
+            f"bl.derive (tensorflow): params of type {type(params).__name__} has no trainable_variables.",
+            code="derive_bad_params",
+            remedy="Pass a tf.Module or Keras model, a dict of tf.Variable, or one tf.Variable.",
+        )
+    named: dict[str, Any] = {}
+    for variable in variables:
+        name = _variable_name(variable)
+        while name in named:  # two variables may share a display name
+            name += "'"
+        named[name] = variable
+    return named
+
+
+def derive(fn: Callable[..., Any], params: Any, inputs: tuple, *, intermediate: bool,
+           max_intermediate: int, input_grads: bool) -> DerivedGrads:
+    own = scalar_loss(np.asarray(fn(params, *inputs)), "tensorflow")
+    variables = declared_variables(params)
+    watched = {input_name(i): x for i, x in enumerate(inputs)
+               if input_grads and tf.is_tensor(x) and x.dtype.is_floating}
+    # Trainable variables are watched as they are read (Keras variables too);
+    # input tensors are watched explicitly.
+    with tf.GradientTape() as tape:
+        for value in watched.values():
+            tape.watch(value)
+        loss = fn(params, *inputs)
+    sources = [*variables.values(), *watched.values()]
+    grads = tape.gradient(loss, sources, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    derived = scalar_loss(np.asarray(loss), "tensorflow")
+    check_same_output(own, derived, "tensorflow")
+    names = [*variables, *watched]
+    return DerivedGrads(
+        framework="tensorflow",
+        version=tf.__version__,
+        output=derived,
+        leaf_grads={name: np.asarray(tf.convert_to_tensor(g)) for name, g in zip(names, grads)},
+        intermediates=IntermediateGrads.unavailable("TensorFlow") if intermediate else None,
+    )
