@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install --quiet -e ".[test,demo]" "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e ".[test,demo,jax,tinygrad,mlx,paddle]" "$(TORCH_SPEC)"
 	touch $(STAMP)
 
 install: $(STAMP)

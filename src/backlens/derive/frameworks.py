@@ -103,7 +103,7 @@ def refuse_other_framework(model: Any, args: tuple, kwargs: dict, entry: str) ->
     }.get(key, "")
     kind = type(model)
     what = (f"a {name} model ({kind.__module__}.{kind.__qualname__})" if _by_type(model) == found
-            else f"{kind.__qualname__} holding {name} values")
+            else f"a {kind.__qualname__} holding {name} values")
     raise UnsupportedFrameworkError(
         f"{entry} records torch's autograd, and got {what}. Backward capture and live editing are "
         f"torch-only; for {name}, bl.derive(fn, params, *inputs) gives gradients derived with its "
