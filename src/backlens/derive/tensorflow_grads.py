@@ -6,6 +6,7 @@ dict of variables, or one variable. Float input tensors are watched too.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -26,8 +27,8 @@ def _variable_name(variable: Any) -> str:
 
 
 def _is_float_variable(value: Any) -> bool:
-    """A tf.Variable or a Keras variable (which wraps one) holding floats."""
-    if not hasattr(value, "assign") or not hasattr(value, "dtype"):
+    """A trainable tf.Variable or Keras variable (which wraps one) holding floats."""
+    if not hasattr(value, "assign") or not hasattr(value, "dtype") or not getattr(value, "trainable", True):
         return False
     try:
         return tf.as_dtype(value.dtype).is_floating
@@ -56,8 +57,25 @@ def declared_variables(params: Any) -> dict[str, Any]:
     return named
 
 
+def _check_keras_backend(params: Any) -> None:
+    """A Keras model on another backend runs no TensorFlow ops a tape could see."""
+    if not (getattr(type(params), "__module__", "") or "").startswith(("keras.", "keras")):
+        return
+    keras = sys.modules.get("keras")
+    backend = keras.backend.backend() if keras is not None else "tensorflow"
+    if backend != "tensorflow":
+        raise UnsupportedInputError(
+            f"bl.derive: this Keras model runs on the {backend!r} backend; tf.GradientTape sees only "
+            "TensorFlow ops.",
+            code="derive_keras_backend",
+            remedy="Set KERAS_BACKEND=tensorflow before importing keras (on the torch backend the "
+                   "model is a torch module: use bl.capture).",
+        )
+
+
 def derive(fn: Callable[..., Any], params: Any, inputs: tuple, *, intermediate: bool,
            max_intermediate: int, input_grads: bool) -> DerivedGrads:
+    _check_keras_backend(params)
     own = scalar_loss(np.asarray(fn(params, *inputs)), "tensorflow")
     variables = declared_variables(params)
     watched = {input_name(i): x for i, x in enumerate(inputs)
