@@ -59,7 +59,7 @@ def declared_variables(params: Any) -> dict[str, Any]:
 
 def _check_keras_backend(params: Any) -> None:
     """A Keras model on another backend runs no TensorFlow ops a tape could see."""
-    if not (getattr(type(params), "__module__", "") or "").startswith(("keras.", "keras")):
+    if (getattr(type(params), "__module__", "") or "").partition(".")[0] != "keras":
         return
     keras = sys.modules.get("keras")
     backend = keras.backend.backend() if keras is not None else "tensorflow"
