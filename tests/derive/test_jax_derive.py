@@ -276,3 +276,17 @@ def test_an_unknown_intermediate_label_names_close_ones():
     with pytest.raises(bl.LabelNotFoundError) as info:
         derived.intermediates["tanh_9"]
     assert "tanh_1" in str(info.value)
+
+
+def test_a_loss_of_shape_one_and_non_array_leaves_are_accepted():
+    params = {"w": jnp.ones((3, 2)), "name": "probe", "unused": None}
+
+    def fn(p, x):
+        assert p["name"] == "probe"
+        return jnp.sum(x @ p["w"], keepdims=True).reshape(1)
+
+    derived = bl.derive(fn, params, jnp.ones((2, 3)), intermediate=True)
+    assert derived.output.shape == () and float(derived.output) == 12.0
+    assert list(derived.leaf_grads) == ["w", "args[0]"]
+    assert derived.intermediates.labels == ["dot_general_1", "reduce_sum_1", "broadcast_in_dim_1", "reshape_1"]
+    assert not derived.intermediates.withheld

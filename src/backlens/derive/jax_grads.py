@@ -54,7 +54,7 @@ def derive(fn: Callable[..., Any], params: Any, inputs: tuple, *, intermediate: 
         all_leaves = list(leaves)
         for i, value in zip(chosen, values):
             all_leaves[i] = value
-        return call(all_leaves)
+        return jnp.reshape(call(all_leaves), ())  # a loss of shape (1,) too
 
     value, grads = jax.value_and_grad(of_chosen)([leaves[i] for i in chosen])
     derived = scalar_loss(value, "jax")

@@ -119,12 +119,29 @@ def flatten(jaxpr: Any, consts: list, in_atoms: list, program: Program) -> list:
     return [read(a) for a in jaxpr.outvars]
 
 
-def trace(call: Callable[[list], Any], leaves: list) -> Program:
-    closed = jax.make_jaxpr(lambda *xs: call(list(xs)))(*leaves)
+def _traceable(leaf: Any) -> bool:
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float, complex))
+
+
+def trace(call: Callable[[list], Any], leaves: list) -> tuple[Program, list]:
+    """The flattened program of ``call(leaves)``, and the leaves that are its inputs.
+
+    Leaves that are not arrays (a string, an object in a pytree) stay Python values.
+    """
+    positions = [i for i, leaf in enumerate(leaves) if _traceable(leaf)]
+
+    def of_arrays(*arrays: Any) -> Any:
+        merged = list(leaves)
+        for i, array in zip(positions, arrays):
+            merged[i] = array
+        return call(merged)
+
+    traced = [leaves[i] for i in positions]
+    closed = jax.make_jaxpr(of_arrays)(*traced)
     program = Program()
     program.inputs = [Slot(v.aval) for v in closed.jaxpr.invars]
     program.outputs = flatten(closed.jaxpr, closed.consts, program.inputs, program)
-    return program
+    return program, traced
 
 
 def run(program: Program, env: dict, start: int = 0, perturb: dict | None = None) -> Any:
@@ -152,7 +169,7 @@ def _is_float(aval: Any) -> bool:
 
 def intermediate_grads(call: Callable[[list], Any], leaves: list, own: np.ndarray,
                        max_intermediate: int) -> IntermediateGrads:
-    program = trace(call, leaves)
+    program, leaves = trace(call, leaves)
     candidates: list[tuple[int, int, Slot]] = [
         (index, out, slot) for index, step in enumerate(program.steps)
         for out, slot in enumerate(step.outs) if _is_float(slot.aval)
@@ -167,7 +184,7 @@ def intermediate_grads(call: Callable[[list], Any], leaves: list, own: np.ndarra
         candidates = candidates[:max_intermediate]
     base = {**program.consts, **dict(zip(program.inputs, leaves))}
     forward = dict(base)
-    replayed = np.asarray(run(program, forward))
+    replayed = np.asarray(run(program, forward)).reshape(own.shape)
     if len(program.outputs) != 1 or not _same_loss(replayed, own):
         withheld["replay_mismatch"] = len(candidates)
         notes.append(f"replaying the traced ops gave loss {replayed!r}, not fn's own {own!r}: "
@@ -178,7 +195,8 @@ def intermediate_grads(call: Callable[[list], Any], leaves: list, own: np.ndarra
                      f"(where jax compiles some library functions whole) gave {own!r}.")
 
     def perturbed(shifts: list) -> Any:
-        return run(program, dict(base), perturb={slot: e for (_, _, slot), e in zip(candidates, shifts)})
+        shifted = {slot: e for (_, _, slot), e in zip(candidates, shifts)}
+        return jnp.reshape(run(program, dict(base), perturb=shifted), ())
 
     zeros = [jnp.full(slot.aval.shape, -0.0, slot.aval.dtype) for _, _, slot in candidates]
     cotangents = jax.grad(perturbed)(zeros)
@@ -189,7 +207,7 @@ def intermediate_grads(call: Callable[[list], Any], leaves: list, own: np.ndarra
         def suffix(value: Any, index: int = index, slot: Slot = slot) -> Any:
             env = dict(forward)
             env[slot] = value
-            return run(program, env, start=index + 1)
+            return jnp.reshape(run(program, env, start=index + 1), ())
 
         oracle = jax.grad(suffix)(forward[slot])
         got, expected = np.asarray(cotangent), np.asarray(oracle)

@@ -39,12 +39,12 @@ def derive(fn: Callable[..., Any], params: Any, inputs: tuple, *, intermediate: 
 
         def call(tree: Any, chosen: list) -> Any:
             model.update(tree)
-            return fn(model, *_with(inputs, positions, chosen))
+            return mx.reshape(fn(model, *_with(inputs, positions, chosen)), ())
     else:
         model, tree, original = None, params, None
 
         def call(tree: Any, chosen: list) -> Any:
-            return fn(tree, *_with(inputs, positions, chosen))
+            return mx.reshape(fn(tree, *_with(inputs, positions, chosen)), ())
 
     try:
         value, (tree_grads, input_grads_) = mx.value_and_grad(call, argnums=(0, 1))(
