@@ -7,6 +7,7 @@ matched by the top-level package of their ``__module__``.
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 from backlens.errors import UnsupportedFrameworkError
@@ -76,13 +77,15 @@ def _children(obj: Any) -> list[Any]:
         return list(obj.values())[:64]
     if isinstance(obj, (list, tuple)):
         return list(obj)[:64]
-    if isinstance(obj, (str, bytes, int, float, complex, bool, type(None))) or callable(obj) and not hasattr(obj, "__dict__"):
+    if isinstance(obj, (str, bytes, int, float, complex, bool, type(None), type, types.ModuleType)):
         return []
-    attributes = getattr(obj, "__dict__", None)
-    # Instance attributes only (no properties run); a module object is not a model.
-    if isinstance(attributes, dict) and type(obj).__name__ != "module":
-        return [v for k, v in list(attributes.items())[:64] if not k.startswith("__")]
-    return []
+    try:  # instance attributes only: no property runs (a lazy proxy may still refuse)
+        attributes = vars(obj)
+    except Exception:
+        return []
+    if not isinstance(attributes, dict):
+        return []
+    return [v for k, v in list(attributes.items())[:64] if not k.startswith("__")]
 
 
 def refuse_other_framework(model: Any, args: tuple, kwargs: dict, entry: str) -> None:
