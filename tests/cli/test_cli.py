@@ -134,7 +134,7 @@ def test_show_prints_a_saved_bundle(tmp_path):
     page = tmp_path / "show.html"
     done = run("show", str(bundle), "--html", str(page))
     assert done.returncode == 0, done.stderr
-    assert "1 backward passes" in done.stdout and "Backward passes" in done.stdout
+    assert "11 backward passes" in done.stdout and "Backward passes" in done.stdout
     assert page.is_file()
 
 
