@@ -63,6 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     show = commands.add_parser("show", help="print the summary of a saved bundle")
     show.add_argument("bundle")
     show.add_argument("--html", help="write a self-contained HTML report here")
+    show.add_argument("--timeline", help="write the backward as Trace Event JSON (Perfetto, chrome://tracing)")
 
     commands.add_parser("doctor", help="print torch version and capability flags")
     return parser
@@ -315,6 +316,9 @@ def _show(args) -> None:
     for table in rich_tables(profile):
         console.print(table)
     console.print(summary_line(profile))
+    if args.timeline:
+        bl.report.timeline(cap).save(args.timeline)
+        console.print(f"Timeline: {os.path.abspath(args.timeline)}")
     if args.html:
         html_report(profile).write(args.html)
         console.print(f"HTML report: {os.path.abspath(args.html)}")

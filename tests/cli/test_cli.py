@@ -138,6 +138,14 @@ def test_show_prints_a_saved_bundle(tmp_path):
     assert page.is_file()
 
 
+def test_show_writes_the_timeline_of_a_saved_bundle(tmp_path):
+    bundle, path = tmp_path / "b", tmp_path / "t.json"
+    assert run("profile", "tiny_factories:build", "--repeats", "1", "--save", str(bundle)).returncode == 0
+    done = run("show", str(bundle), "--timeline", str(path))
+    assert done.returncode == 0, done.stderr
+    assert json.loads(path.read_text()) == bl.report.timeline(bl.load(str(bundle))).to_trace()
+
+
 def test_doctor_runs():
     done = run("doctor")
     assert done.returncode == 0 and "HAS_CURRENT_AUTOGRAD_NODE" in done.stdout
