@@ -1,12 +1,18 @@
 # Two commands on a fresh machine: `make demo` and `make test`.
 # torch goes in first and pinned: a bare `torch` would fetch a multi-GB CUDA build.
+# Tested torch builds: 2.13.0 (default) and 2.14.1, e.g.
+#   make test VENV=.venv-torch2.14 TORCH_SPEC=torch==2.14.1
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.backlens-installed
+# Headless Chromium renders the HTML report in the tests: a path, or empty when
+# none is found (then `make test` installs Debian's package as root, or stops).
+CHROMIUM ?= $(shell command -v chromium || command -v chromium-browser)
+DEBIAN_CHROMIUM := /usr/bin/chromium
 
-.PHONY: demo test install lint bench clean
+.PHONY: demo test install lint bench clean chromium
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,8 +26,21 @@ install: $(STAMP)
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/backlens demo
 
-test: $(STAMP)
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m pytest -q
+# chromium first: a machine that cannot run the tests stops before the install.
+test: chromium $(STAMP)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 CHROMIUM="$(or $(CHROMIUM),$(DEBIAN_CHROMIUM))" \
+		$(BIN)/python -m pytest -q
+
+chromium:
+ifeq ($(strip $(CHROMIUM)),)
+ifeq ($(shell id -u),0)
+	@echo "Installing Debian's chromium (headless browser for the HTML report tests)..."
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+	@test -x $(DEBIAN_CHROMIUM) || { echo "apt-get installed no $(DEBIAN_CHROMIUM)" >&2; exit 1; }
+else
+	$(error make test needs headless Chromium for the HTML report tests: run `sudo apt-get install -y chromium` (Debian/Ubuntu) or pass CHROMIUM=/path/to/chromium)
+endif
+endif
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench

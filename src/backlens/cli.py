@@ -11,11 +11,27 @@ import importlib
 import inspect
 import os
 import sys
+from functools import partial
 from typing import Any
 
 
 class UsageError(Exception):
     """A problem with what the user asked for: printed as one line, exit 2."""
+
+
+# Warm passes after the cold one: stable medians, and `backlens demo` stays
+# well under 15 s on 2 CPU cores.
+DEFAULT_REPEATS = 10
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number 0 or more, got {text!r}")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -25,21 +41,29 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo", help="profile and explain the backward pass of a real model")
     demo.add_argument("--out", default="backlens-out", help="folder for the bundle and the HTML report")
+    demo.add_argument("--repeats", type=_count, default=None,
+                      help=f"warm backward passes after the cold first one (default {DEFAULT_REPEATS})")
 
     profile = commands.add_parser("profile", help="profile the backward pass of your model")
-    profile.add_argument("factory", help="MODULE:FACTORY, a function returning an nn.Module")
+    profile.add_argument("factory", help="MODULE:FACTORY, a function returning an nn.Module or "
+                                         "(model, inputs, loss_fn)")
     profile.add_argument("--input-shape", default="2,8", help="B,S,... of a random float input (default 2,8)")
     profile.add_argument("--input-ids", action="store_true",
                          help="make the input integer token ids (vocab from the model's config)")
     profile.add_argument("--loss", default="sum", choices=["sum", "mean", "square"],
-                         help="loss over the first output tensor")
-    profile.add_argument("--repeats", type=int, default=0, help="time the backward alone N times (bl.bench.backward)")
+                         help="loss over the first output tensor (when the factory gives no loss_fn)")
+    profile.add_argument("--repeats", type=_count, default=None,
+                         help=f"warm backward passes after the cold first one (default {DEFAULT_REPEATS})")
+    profile.add_argument("--bench", action="store_true",
+                         help="also time the backward alone, without per-node hooks (bl.bench.backward)")
+    profile.add_argument("--timeline", help="write the backward as Trace Event JSON (Perfetto, chrome://tracing)")
     profile.add_argument("--html", help="write a self-contained HTML report here")
     profile.add_argument("--save", help="save the capture as a bundle here")
 
     show = commands.add_parser("show", help="print the summary of a saved bundle")
     show.add_argument("bundle")
     show.add_argument("--html", help="write a self-contained HTML report here")
+    show.add_argument("--timeline", help="write the backward as Trace Event JSON (Perfetto, chrome://tracing)")
 
     commands.add_parser("doctor", help="print torch version and capability flags")
     return parser
@@ -51,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             from backlens.demo import main as demo_main
 
-            demo_main(out_dir=args.out)
+            demo_main(out_dir=args.out, repeats=DEFAULT_REPEATS if args.repeats is None else args.repeats)
         elif args.command == "profile":
             _profile(args)
         elif args.command == "show":
@@ -76,6 +100,13 @@ def main(argv: list[str] | None = None) -> int:
 
 # -- profile -----------------------------------------------------------------
 
+ACCEPTED_SHAPES = (
+    "an nn.Module, or a tuple (model, inputs, loss_fn) where inputs is a tensor, a tuple of positional "
+    "arguments or a dict of keyword arguments (a tokenizer's output) and loss_fn(output) returns a scalar "
+    "tensor (or is None to use --loss)"
+)
+
+
 def _load_factory(spec: str):
     if ":" not in spec:
         raise UsageError(f"expected MODULE:FACTORY (e.g. mypkg.models:build), got {spec!r}")
@@ -90,14 +121,39 @@ def _load_factory(spec: str):
     if factory is None or not callable(factory):
         raise UsageError(f"module {module_name!r} has no callable {attribute!r}")
     try:
-        model = factory()
+        made = factory()
     except Exception as exc:  # noqa: BLE001
         raise UsageError(f"factory {spec} raised {type(exc).__name__}: {exc}") from exc
+    return factory, made
+
+
+def _unpack(spec: str, made: Any):
+    """(model, (args, kwargs) or None, loss_fn or None) from what the factory returned."""
+    from collections.abc import Mapping
+
     import torch
 
-    if not isinstance(model, torch.nn.Module):
-        raise UsageError(f"factory {spec} returned {type(model).__name__}, not a torch.nn.Module")
-    return model
+    if isinstance(made, torch.nn.Module):
+        return made, None, None
+    if isinstance(made, tuple) and len(made) == 3 and isinstance(made[0], torch.nn.Module):
+        model, inputs, loss_fn = made
+        if loss_fn is not None and not callable(loss_fn):
+            what = f"a tuple whose loss_fn is {type(loss_fn).__name__}, not callable"
+        elif isinstance(inputs, torch.Tensor):
+            return model, ((inputs,), {}), loss_fn
+        elif isinstance(inputs, (tuple, list)):
+            return model, (tuple(inputs), {}), loss_fn
+        elif isinstance(inputs, Mapping):
+            return model, ((), dict(inputs)), loss_fn
+        else:
+            what = f"a tuple whose inputs are {type(inputs).__name__}"
+    elif isinstance(made, tuple):
+        first = type(made[0]).__name__ if made else "nothing"
+        what = (f"a tuple of {len(made)} items" if len(made) != 3
+                else f"a tuple whose first item is {first}, not an nn.Module")
+    else:
+        what = type(made).__name__
+    raise UsageError(f"factory {spec} returned {what}; accepted: {ACCEPTED_SHAPES}")
 
 
 def _make_input(model, shape_text: str, input_ids: bool):
@@ -114,11 +170,25 @@ def _make_input(model, shape_text: str, input_ids: bool):
     return torch.randn(shape, generator=generator)
 
 
-def _loss_of(kind: str):
-    from backlens.capture.forward import iter_tensors
+def _first_float_tensor(output: Any):
+    """The first floating-point tensor of a (nested) output, depth first; None if none."""
+    from collections.abc import Mapping
 
+    import torch
+
+    if isinstance(output, torch.Tensor):
+        return output if output.is_floating_point() else None
+    items = output.values() if isinstance(output, Mapping) else output if isinstance(output, (tuple, list)) else ()
+    for item in items:
+        found = _first_float_tensor(item)
+        if found is not None:
+            return found
+    return None
+
+
+def _loss_of(kind: str):
     def loss(output: Any):
-        first = next((t for t in iter_tensors(output) if t.is_floating_point()), None)
+        first = _first_float_tensor(output)
         if first is None:
             raise UsageError("the model's output has no floating-point tensor to build a loss from")
         if kind == "mean":
@@ -130,6 +200,18 @@ def _loss_of(kind: str):
     return loss
 
 
+def _scalar_loss(loss_fn, output: Any):
+    import torch
+
+    loss = loss_fn(output)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise UsageError(f"loss_fn returned {what}; it must return a scalar tensor")
+    if loss.grad_fn is None:
+        raise UsageError("the loss has no autograd graph: no parameter or input of the model requires grad")
+    return loss
+
+
 def _signature_of(model) -> str:
     try:
         return f"{type(model).__name__}.forward{inspect.signature(model.forward)}"
@@ -137,33 +219,79 @@ def _signature_of(model) -> str:
         return f"{type(model).__name__}.forward(...)"
 
 
+def _at_line_of(factory):
+    """A runner ``run(fn)`` whose own frame sits on the factory's line in the user's file.
+
+    A pass's call site is the innermost frame outside torch and backlens; the
+    CLI starts the passes, so without this it would be the ``backlens``
+    console script. Running them through a frame compiled under the factory's
+    file and line makes the call site name the user's code (``models.py:12
+    (build)``), and a traceback through it shows that line too.
+    """
+    try:
+        filename = inspect.getsourcefile(factory)
+        _lines, line = inspect.getsourcelines(factory)
+    except (TypeError, OSError):
+        filename, line = None, 0
+    if not filename:
+        return lambda fn: fn()
+    name = getattr(factory, "__name__", "")
+    name = name if name.isidentifier() else "factory"
+    namespace: dict[str, Any] = {}
+    exec(compile("\n" * (max(line, 1) - 1) + f"def {name}(run): return run()\n", filename, "exec"), namespace)
+    return namespace[name]
+
+
 def _profile(args) -> None:
+    import torch
     from rich.console import Console
 
     import backlens as bl
-    from backlens.report.profile import build_profile, html_report, rich_tables, summary_line
+    from backlens.report.profile import (
+        build_profile,
+        html_report,
+        rich_tables,
+        run_passes,
+        summary_line,
+    )
 
     console = Console()
-    model = _load_factory(args.factory)
-    x = _make_input(model, args.input_shape, args.input_ids)
-    loss_fn = _loss_of(args.loss)
-    with console.status("Capturing forward and backward..."):
+    factory, made = _load_factory(args.factory)
+    model, inputs, loss_fn = _unpack(args.factory, made)
+    if inputs is None:
+        x = _make_input(model, args.input_shape, args.input_ids)
+        positional, keywords = (x,), {}
+        described = f"one input tensor of shape {tuple(x.shape)}"
+    else:
+        positional, keywords = inputs
+        described = "the factory's inputs"
+    loss_fn = loss_fn or _loss_of(args.loss)
+    repeats = DEFAULT_REPEATS if args.repeats is None else args.repeats
+    with console.status("Capturing the forward..."):
         try:
-            cap = bl.capture(model, x)
+            cap = bl.capture(model, *positional, **keywords)
         except TypeError as exc:
             raise UsageError(
-                f"the model's forward did not accept one input tensor of shape {tuple(x.shape)} "
-                f"({exc}); it expects {_signature_of(model)}"
+                f"the model's forward did not accept {described} ({exc}); it expects {_signature_of(model)}"
             ) from exc
-        cap.backward(loss_fn(cap.output))
-    profile = build_profile(cap, f"backlens profile: {args.factory}")
+        loss = _scalar_loss(loss_fn, cap.output)
+    leaves = [*model.parameters(), *(t for t in [*positional, *keywords.values()]
+                                     if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad)]
+    _at_line_of(factory)(partial(run_passes, cap, loss, repeats, leaves))
+    with console.status("Building the backward profile..."):
+        profile = build_profile(cap, f"backlens profile: {args.factory}")
     for table in rich_tables(profile):
         console.print(table)
     console.print(summary_line(profile))
-    if args.repeats:
-        with console.status(f"Timing the backward alone ({args.repeats} repeats)..."):
-            result = bl.bench.backward(model, x, loss_fn, repeats=args.repeats)
+    if args.bench:
+        # The factory's inputs are positional or keyword, never both (see _unpack).
+        result = bl.bench.backward(model, keywords or positional, lambda out: _scalar_loss(loss_fn, out),
+                                   repeats=max(repeats, 1))
         console.print(result)
+    if args.timeline:
+        bl.report.timeline(cap).save(args.timeline)
+        console.print(f"Timeline: {os.path.abspath(args.timeline)}  (open in https://ui.perfetto.dev "
+                      f"or chrome://tracing)")
     if args.save:
         cap.save(args.save, overwrite=True)
         console.print(f"Bundle: {os.path.abspath(args.save)}")
@@ -188,6 +316,9 @@ def _show(args) -> None:
     for table in rich_tables(profile):
         console.print(table)
     console.print(summary_line(profile))
+    if args.timeline:
+        bl.report.timeline(cap).save(args.timeline)
+        console.print(f"Timeline: {os.path.abspath(args.timeline)}")
     if args.html:
         html_report(profile).write(args.html)
         console.print(f"HTML report: {os.path.abspath(args.html)}")

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import backlens as bl
 from backlens.demo import DemoResult, mean_pool, run_similarity, token_section
 from backlens.report.profile import build_profile, html_report
 
@@ -50,8 +54,9 @@ def test_token_scores_are_gradient_times_input_of_the_word_embeddings():
 
 
 def _chromium() -> str:
-    found = shutil.which("chromium") or shutil.which("chromium-browser")
-    assert found, "headless Chromium is needed for this test: apt-get install chromium (.ci/run does it)"
+    # `make test` passes the browser it found or installed as CHROMIUM.
+    found = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+    assert found, "headless Chromium is needed for this test: `make test` installs it as root, or apt-get install chromium"
     return found
 
 
@@ -81,6 +86,61 @@ def test_the_html_report_renders_tables_and_bars_in_headless_chromium(tmp_path):
     assert shot.stat().st_size > 20_000
 
 
+# Appended to a copy of the report: measures every Gantt bar as Chromium laid it out.
+MEASURE = """<script>
+const bars = [...document.querySelectorAll("svg.gantt g.gantt-row")].map(row => ({
+  label: row.dataset.label,
+  bars: [...row.querySelectorAll("rect.gantt-bar")].map(r => {
+    const box = r.getBoundingClientRect();
+    return {x: box.left, width: box.width};
+  }),
+}));
+const pre = document.createElement("pre");
+pre.id = "measured";
+pre.textContent = JSON.stringify(bars);
+document.body.appendChild(pre);
+</script>"""
+
+
+def test_the_gantt_view_has_a_bar_per_module_call_with_widths_proportional_to_time(tmp_path):
+    model, batch, tokens = tiny_bert()
+    cap = run_similarity(model, batch, tokens, repeats=4).capture
+    profile = build_profile(cap, "tiny demo", depth=3)
+    page = tmp_path / "report.html"
+    page.write_text(html_report(profile).to_html().replace("</body>", MEASURE + "</body>"))
+
+    dom = subprocess.run([_chromium(), *_chromium_args(tmp_path / "profile"), "--dump-dom", f"file://{page}"],
+                         capture_output=True, text=True, timeout=120).stdout
+    measured = json.loads(re.search(r'<pre id="measured">(.*?)</pre>', dom, re.S).group(1).replace("&quot;", '"'))
+    rows = {row["label"]: row["bars"] for row in measured}
+
+    # The Gantt shows the warm pass of median duration (passes 2-5 are warm).
+    warm = sorted(cap.passes[1:], key=lambda p: p.duration)
+    shown = warm[(len(warm) - 1) // 2].number
+    assert f"pass {shown}, the median of the 4 warm passes" in dom
+    # A row per module call down to depth 3 whose subtree ran nodes in that pass.
+    tree = bl.report.cost_tree(cap, pass_=shown)
+    expected = {row.address or "(model)" for row in tree.rows
+                if row.kind == "module" and row.depth <= 3 and row.subtree_backward_time}
+    assert set(rows) - {"(no module)"} == expected
+    assert all(rows[label] for label in expected)
+
+    # Widths: one px-per-second scale for every bar (rendered, within half a pixel).
+    slices = {}
+    for piece in bl.report.timeline(cap, pass_=shown).for_pass(shown):
+        if piece.kind == "module":
+            slices.setdefault(piece.name, []).append(piece)
+    scale = statistics.median(bar["width"] / piece.duration for label in expected
+                              for bar, piece in zip(rows[label], slices[label]))
+    for label in expected:
+        assert len(rows[label]) == len(slices[label])
+        for bar, piece in zip(rows[label], slices[label]):
+            assert abs(bar["width"] - piece.duration * scale) < 0.5, (label, bar, piece.duration)
+            assert abs(bar["x"] - rows["(model)"][0]["x"] - (piece.start - slices["(model)"][0].start) * scale) < 0.5
+    # The model's bar spans most of the chart: the scale is the chart's, not a degenerate one.
+    assert rows["(model)"][0]["width"] > 300
+
+
 @pytest.mark.slow
 def test_the_real_demo_runs_on_minilm_and_writes_a_bundle_and_a_report(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", COLUMNS="160")
@@ -90,8 +150,10 @@ def test_the_real_demo_runs_on_minilm_and_writes_a_bundle_and_a_report(tmp_path)
     for title in ("Which tokens move the similarity", "Backward profile per module",
                   "costliest node types", "Backward passes", "backward/forward FLOP ratio"):
         assert title in done.stdout
+    assert "median of passes 2-11" in done.stdout and "cold first pass" in done.stdout
     assert (tmp_path / "demo.bundle" / "manifest.json").is_file()
-    assert (tmp_path / "demo.html").read_text().count("<table>") == 3
+    page = (tmp_path / "demo.html").read_text()
+    assert page.count("<table>") == 3 and page.count("class='gantt-row'") > 10
     shown = subprocess.run([sys.executable, "-m", "backlens.cli", "show", str(tmp_path / "demo.bundle")],
                            capture_output=True, text=True, env=env, timeout=300)
     assert shown.returncode == 0 and "355" in shown.stdout

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from backlens._progress import progress
 from backlens.capture.capture import capture
 from backlens.cost.display import seconds_text
 from backlens.cost.once_only import OnceOnlyNode, changed_since, describe, snapshot
@@ -172,22 +173,23 @@ def backward(
         try:
             loss = _loss(loss_fn, cap.output)
             before = snapshot([loss.grad_fn])
-            first = _pass(loss, leaves)
-            changes = changed_since(before)
-            if changes:
-                once = [describe(node, detail, cap.grad_fns) for node, detail in changes]
-                cap.close()
-                del loss
-                return _fallback(model, args, kwargs, loss_fn, leaves, repeats, warmup, once)
-            instrumented = [first] if warmup == 0 else []
-            for i in range(1, warmup + repeats):
-                elapsed = _pass(loss, leaves)
-                if i >= warmup:
-                    instrumented.append(elapsed)
-            timed_passes = [p.number for p in cap.passes][warmup:]
-            by_type, by_node, by_module = _per_node([(cap, n) for n in timed_passes])
-            cap.disarm()  # removes every hook: the clean passes time torch alone
-            clean = [_pass(loss, leaves) for _ in range(repeats)]
+            with progress("Timing the backward", warmup + 2 * repeats, unit="passes") as tick:
+                first = _pass(loss, leaves, tick=tick)
+                changes = changed_since(before)
+                if changes:
+                    once = [describe(node, detail, cap.grad_fns) for node, detail in changes]
+                    cap.close()
+                    del loss
+                    return _fallback(model, args, kwargs, loss_fn, leaves, repeats, warmup, once)
+                instrumented = [first] if warmup == 0 else []
+                for i in range(1, warmup + repeats):
+                    elapsed = _pass(loss, leaves, tick=tick)
+                    if i >= warmup:
+                        instrumented.append(elapsed)
+                timed_passes = [p.number for p in cap.passes][warmup:]
+                by_type, by_node, by_module = _per_node([(cap, n) for n in timed_passes])
+                cap.disarm()  # removes every hook: the clean passes time torch alone
+                clean = [_pass(loss, leaves, tick=tick) for _ in range(repeats)]
         finally:
             cap.close()
     finally:
@@ -202,6 +204,11 @@ def backward(
 
 def _fallback(model, args, kwargs, loss_fn, leaves, repeats, warmup, once) -> BackwardBench:
     """Backward = forward+backward minus forward, each repeat on a fresh graph."""
+    with progress("Timing forward+backward minus forward", warmup + 2 * repeats, unit="passes") as tick:
+        return _fallback_timed(model, args, kwargs, loss_fn, leaves, repeats, warmup, once, tick)
+
+
+def _fallback_timed(model, args, kwargs, loss_fn, leaves, repeats, warmup, once, tick) -> BackwardBench:
     forward_times, total_times = [], []
     for i in range(warmup + repeats):
         _clear(leaves)
@@ -218,11 +225,12 @@ def _fallback(model, args, kwargs, loss_fn, leaves, repeats, warmup, once) -> Ba
         if i >= warmup:
             forward_times.append(forward_time)
             total_times.append(total_time)
+        tick(1)
     instrumented, captures = [], []
     for _ in range(repeats):  # fire timings, one fresh graph per repeat
         _clear(leaves)
         cap = capture(model, *args, flops=False, timing=True, **kwargs)
-        instrumented.append(_pass(_loss(loss_fn, cap.output), leaves, retain=False))
+        instrumented.append(_pass(_loss(loss_fn, cap.output), leaves, retain=False, tick=tick))
         captures.append((cap, cap.passes[0].number))
     by_type, by_node, by_module = _per_node(captures)
     for cap, _number in captures:
@@ -240,11 +248,15 @@ def _fallback(model, args, kwargs, loss_fn, leaves, repeats, warmup, once) -> Ba
     )
 
 
-def _pass(loss: torch.Tensor, leaves: list[torch.Tensor], retain: bool = True) -> float:
+def _pass(loss: torch.Tensor, leaves: list[torch.Tensor], retain: bool = True,
+          tick: Callable[[float], None] | None = None) -> float:
     _clear(leaves)
     start = _now(loss)
     torch.autograd.backward(loss, retain_graph=retain)
-    return _now(loss) - start
+    elapsed = _now(loss) - start
+    if tick is not None:  # after the clock stops: drawing is not timed
+        tick(1)
+    return elapsed
 
 
 def _per_node(passes: list[tuple[Any, int]]):

@@ -23,6 +23,8 @@ svg text { font-size: 11px; fill: #1d2330; } .bar { fill: #4c6ef5; } .bar2 { fil
 .tokens span { display: inline-block; padding: .15rem .3rem; margin: .12rem; border-radius: 4px;
                font-family: ui-monospace, monospace; font-size: .85rem; }
 .legend span { display: inline-block; width: .8rem; height: .8rem; margin: 0 .3rem 0 1rem; }
+.gantt-bar { fill: #4c6ef5; } .gantt-bar.d1 { fill: #7048e8; } .gantt-bar.d2 { fill: #1c7ed6; }
+.gantt-bar.d3 { fill: #0ca678; } .gantt-bar.d4 { fill: #f59f00; } .gantt-grid { stroke: #e3e6ee; }
 """
 
 
@@ -41,6 +43,27 @@ class Bars:
     items: Sequence[tuple]
     unit: str = ""
     second_unit: str | None = None
+
+
+@dataclass
+class GanttRow:
+    """One row of a Gantt chart: a label, its nesting depth, and its bars
+    ``(start, duration, tooltip)`` in the chart's time unit."""
+
+    label: str
+    depth: int
+    bars: Sequence[tuple[float, float, str]]
+
+
+@dataclass
+class Gantt:
+    """Bars laid on a shared time axis from 0 to ``span`` (in ``unit``)."""
+
+    title: str
+    rows: Sequence[GanttRow]
+    span: float
+    unit: str = "ms"
+    note: str = ""
 
 
 @dataclass
@@ -93,6 +116,9 @@ def _render(section: Any) -> str:
         return f"<h2>{_e(section.title)}</h2>" + _bars_svg(section)
     if isinstance(section, Tokens):
         return f"<h2>{_e(section.title)}</h2>" + _tokens(section)
+    if isinstance(section, Gantt):
+        note = f"<p class='sub'>{_e(section.note)}</p>" if section.note else ""
+        return f"<h2>{_e(section.title)}</h2>{note}" + _gantt_svg(section)
     raise TypeError(f"unknown report section {type(section).__name__}")
 
 
@@ -124,6 +150,35 @@ def _bars_svg(section: Bars) -> str:
         legend = (f"<div class='legend'><span class='bar' style='background:#4c6ef5'></span>{_e(section.unit)}"
                   f"<span style='background:#f59f00'></span>{_e(section.second_unit or '')}</div>")
     return "".join(parts) + legend
+
+
+def _gantt_svg(section: Gantt) -> str:
+    label_width, chart_width, row, indent = 280, 760, 18, 12
+    rows = list(section.rows)
+    top = 18
+    height = top + row * len(rows) + 6
+    span = section.span if section.span > 0 else 1.0
+    scale = chart_width / span
+    parts = [f"<svg xmlns='http://www.w3.org/2000/svg' class='gantt' width='{label_width + chart_width + 10}' "
+             f"height='{height}' role='img' data-span='{span!r}' data-scale='{scale!r}'>"]
+    for k in range(6):  # a time axis: 0, span/5, ... span
+        x = label_width + chart_width * k / 5
+        parts.append(f"<line class='gantt-grid' x1='{x:.1f}' y1='{top - 4}' x2='{x:.1f}' y2='{height}'/>")
+        anchor = "start" if k == 0 else "end" if k == 5 else "middle"
+        parts.append(f"<text x='{x:.1f}' y='11' text-anchor='{anchor}'>{span * k / 5:,.3g} {_e(section.unit)}</text>")
+    for i, gantt_row in enumerate(rows):
+        y = top + i * row
+        parts.append(f"<g class='gantt-row' data-label='{_e(gantt_row.label)}'>")
+        parts.append(f"<text x='{4 + indent * gantt_row.depth}' y='{y + 12}'>{_e(gantt_row.label)}</text>")
+        for start, duration, tip in gantt_row.bars:
+            x = label_width + start * scale
+            width = duration * scale
+            parts.append(f"<rect class='gantt-bar d{min(gantt_row.depth, 4)}' x='{x:.3f}' y='{y + 2}' "
+                         f"width='{width:.3f}' height='{row - 4}' data-start='{start!r}' "
+                         f"data-duration='{duration!r}'><title>{_e(tip)}</title></rect>")
+        parts.append("</g>")
+    parts.append("</svg>")
+    return "".join(parts)
 
 
 def _tokens(section: Tokens) -> str:
