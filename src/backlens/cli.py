@@ -310,6 +310,9 @@ def _show(args) -> None:
 
     console = Console()
     cap = bl.load(args.bundle)
+    if isinstance(cap, bl.DerivedGrads):
+        _show_derived(console, args, cap)
+        return
     console.print(f"[bold]{args.bundle}[/bold]: {len(cap.ops)} forward ops, {len(cap.modules)} module calls, "
                   f"{len(cap.grad_fns)} autograd nodes, {len(cap.passes)} backward passes")
     profile = build_profile(cap, f"backlens show: {os.path.basename(os.path.normpath(args.bundle))}")
@@ -322,6 +325,25 @@ def _show(args) -> None:
     if args.html:
         html_report(profile).write(args.html)
         console.print(f"HTML report: {os.path.abspath(args.html)}")
+
+
+def _show_derived(console, args, derived) -> None:
+    """A derived-gradients bundle has no backward to profile: print its leaf gradients."""
+    from rich.table import Table
+
+    if args.html or args.timeline:
+        raise UsageError(f"{args.bundle} holds derived gradients ({derived.framework}), which have no "
+                          "backward pass to report: --html and --timeline need a capture bundle.")
+    console.print(f"[bold]{args.bundle}[/bold]: derived gradients from {derived.framework} "
+                  f"{derived.version}, output {derived.output.tolist()}, "
+                  f"{len(derived.leaf_grads)} leaf gradients")
+    table = Table(title="Leaf gradients")
+    for column in ("kind", "name", "shape", "dtype", "grad_norm"):
+        table.add_column(column)
+    for row in derived.to_pandas().itertuples():
+        norm = "" if row.grad_norm is None else f"{row.grad_norm:.4g}"
+        table.add_row(row.kind, row.name, str(row.shape), row.dtype, norm)
+    console.print(table)
 
 
 if __name__ == "__main__":

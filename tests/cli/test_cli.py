@@ -146,6 +146,27 @@ def test_show_writes_the_timeline_of_a_saved_bundle(tmp_path):
     assert json.loads(path.read_text()) == bl.report.timeline(bl.load(str(bundle))).to_trace()
 
 
+def test_show_prints_a_derived_gradients_bundle_s_leaf_gradients(tmp_path):
+    import numpy as np
+
+    derived = bl.DerivedGrads(framework="jax", version="0.0", output=np.float32(1.5),
+                              leaf_grads={"w": np.array([[1.0, -2.0]], dtype=np.float32)})
+    derived.save(tmp_path / "d")
+    done = run("show", str(tmp_path / "d"))
+    assert done.returncode == 0, done.stderr
+    assert "derived gradients from jax" in done.stdout and "(1, 2)" in done.stdout
+    assert f"{np.linalg.norm([1.0, -2.0]):.4g}" in done.stdout
+
+
+def test_show_refuses_a_timeline_of_a_derived_gradients_bundle(tmp_path):
+    import numpy as np
+
+    bl.DerivedGrads(framework="jax", version="0.0", output=np.float32(1.5),
+                    leaf_grads={"w": np.ones(2, dtype=np.float32)}).save(tmp_path / "d")
+    assert_one_clear_line(run("show", str(tmp_path / "d"), "--timeline", str(tmp_path / "t.json")),
+                          "derived gradients", "--timeline")
+
+
 def test_doctor_runs():
     done = run("doctor")
     assert done.returncode == 0 and "HAS_CURRENT_AUTOGRAD_NODE" in done.stdout
