@@ -115,7 +115,7 @@ def _make_input(model, shape_text: str, input_ids: bool):
 
 
 def _loss_of(kind: str):
-    from backlens.capture.forward import iter_tensors
+    from backlens._nested import iter_tensors
 
     def loss(output: Any):
         first = next((t for t in iter_tensors(output) if t.is_floating_point()), None)

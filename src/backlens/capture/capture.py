@@ -13,14 +13,10 @@ from typing import Any
 import torch
 
 from backlens import _torch
+from backlens._nested import iter_named_tensors
 from backlens.capture.backward import PassState
 from backlens.capture.core import CaptureCore, owning_module
-from backlens.capture.forward import (
-    ActivationPolicy,
-    ForwardJournal,
-    ForwardRecorder,
-    iter_named_tensors,
-)
+from backlens.capture.forward import ActivationPolicy, ForwardJournal, ForwardRecorder
 from backlens.capture.interventions import ArmedEdits
 from backlens.capture.policy import GradPolicy
 from backlens.capture.record_source import LiveRecordSource

@@ -19,9 +19,10 @@ from typing import Any
 import torch
 
 from backlens import _torch
+from backlens._nested import iter_named_tensors
 from backlens.capture.backward import BackwardRecorder, PassState
 from backlens.capture.failures import FailureTranslator
-from backlens.capture.forward import ForwardJournal, iter_named_tensors
+from backlens.capture.forward import ForwardJournal
 from backlens.capture.interventions import ArmedEdits
 from backlens.capture.node_maps import NodeMaps
 from backlens.capture.policy import GradPolicy

@@ -22,6 +22,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from backlens import _torch
+from backlens._nested import first_tensor
 from backlens.graph.labels import op_name
 
 Tensor = torch.Tensor
@@ -311,7 +312,7 @@ class ForwardRecorder(TorchFunctionMode):
                 output = self.module_output_hook(call, output)
             call.seq_end = _sequence_nr()
             call.op_end = len(self._raw)
-            first = output if isinstance(output, Tensor) else _first_tensor(output)
+            first = output if isinstance(output, Tensor) else first_tensor(output)
             if first is not None:
                 call.output_shape = tuple(first.shape)
                 node = first.grad_fn
@@ -440,50 +441,3 @@ def _collect(items: Any, ids: dict[int, int], refs: list[int]) -> None:
                 refs.append(found)
         elif isinstance(item, (list, tuple)):
             _collect(item, ids, refs)
-
-
-def _first_tensor(value: Any, depth: int = 3) -> Tensor | None:
-    """The first tensor in a module output (breadth before depth, shallow: runs per module call)."""
-    if isinstance(value, Tensor):
-        return value
-    if depth == 0:
-        return None
-    if isinstance(value, (tuple, list)):
-        items = value
-    elif hasattr(value, "values") and hasattr(value, "keys"):
-        try:
-            items = list(value.values())
-        except Exception:  # noqa: BLE001 - objects with a broken values() are not containers
-            return None
-    else:
-        return None
-    for item in items:
-        if isinstance(item, Tensor):
-            return item
-    for item in items:
-        found = _first_tensor(item, depth - 1)
-        if found is not None:
-            return found
-    return None
-
-
-def iter_tensors(value: Any, path: str = ""):
-    """Yield the tensors inside nested tuples, lists, dicts and ModelOutputs."""
-    for _path, tensor in iter_named_tensors(value, path):
-        yield tensor
-
-
-def iter_named_tensors(value: Any, path: str = ""):
-    """Yield ``(path, tensor)`` for every tensor inside a nested structure."""
-    if isinstance(value, Tensor):
-        yield path, value
-    elif isinstance(value, dict) or hasattr(value, "items") and hasattr(value, "keys"):
-        try:
-            items = list(value.items())
-        except Exception:  # noqa: BLE001 - objects with a broken items() are not containers
-            return
-        for key, item in items:
-            yield from iter_named_tensors(item, f"{path}[{key!r}]")
-    elif isinstance(value, (list, tuple)):
-        for position, item in enumerate(value):
-            yield from iter_named_tensors(item, f"{path}[{position}]")

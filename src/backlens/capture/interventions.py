@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from backlens._nested import replace_first_tensor
 from backlens.capture.forward import ForwardJournal, OpEntry, OpView
 from backlens.edits import EditContext, Intervention, apply_checked
 from backlens.errors import BackwardUnavailableError
@@ -103,7 +104,7 @@ class ArmedEdits:
             )
             return new
 
-        return _replace_first_tensor(out, run)
+        return replace_first_tensor(out, run)
 
     def check_sites(self, ops: list[OpEntry], module_calls: list[Any]) -> None:
         """A site string that names no op and no module call: KeyError with close labels."""
@@ -149,18 +150,3 @@ class ArmedEdits:
             return tuple(grads)
 
         return pre
-
-
-def _replace_first_tensor(out: Any, run) -> Any:
-    if isinstance(out, torch.Tensor):
-        return run(out)
-    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
-        return (run(out[0]), *out[1:])
-    if isinstance(out, list) and out and isinstance(out[0], torch.Tensor):
-        return [run(out[0]), *out[1:]]
-    if hasattr(out, "keys"):
-        for key in out.keys():
-            if isinstance(out[key], torch.Tensor):
-                out[key] = run(out[key])
-                return out
-    return out
