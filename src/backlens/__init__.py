@@ -35,7 +35,6 @@ from backlens.records.backward import BackwardPass, GradFn, GradFnCall
 from backlens.records.grads import GradRecord
 from backlens.report.doctor import doctor
 from backlens.report.explain import Explanation, explain
-from backlens.report.validate import ValidationResult, validate
 from backlens.select import (
     Selector,
     func,
@@ -47,6 +46,7 @@ from backlens.select import (
     module,
     without_op,
 )
+from backlens.validate import ValidationResult, validate
 
 __all__ = [
     # errors and warnings

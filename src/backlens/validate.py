@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from backlens._nested import first_tensor
+from backlens.capture.capture import capture
 from backlens.errors import BacklensWarning
 from backlens.graph.labels import CALL_LABEL_PATTERN, NODE_LABEL_PATTERN
 
@@ -56,8 +57,6 @@ def validate(
     or a single tensor. ``loss_fn`` receives the model's own output object in
     both runs.
     """
-    from backlens.capture.capture import capture
-
     args, kwargs = _split_inputs(inputs)
     saved_grads = {name: p.grad for name, p in model.named_parameters()}
     children = [address for address, _ in model.named_modules() if address]
