@@ -7,7 +7,7 @@ your code during the real forward and backward.
 
 from backlens import bench, report
 from backlens._version import __version__
-from backlens.capture.capture import Capture, capture
+from backlens.capturing import Capture, capture, load
 from backlens.edits import add_noise, clamp, clip_norm, grad, scale, when, zero_ablate
 from backlens.errors import (
     AmbiguousGradError,
@@ -28,7 +28,6 @@ from backlens.errors import (
     UnsupportedInputError,
 )
 from backlens.graph.engine import CallSite
-from backlens.io.bundle import load
 from backlens.io.disk_store import to_disk
 from backlens.live import Batcher, Lens, Tracer, save, wrap
 from backlens.records.backward import BackwardPass, GradFn, GradFnCall

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from backlens.capture.capture import capture
+from backlens.capturing import capture
 from backlens.cost.once_only import OnceOnlyNode, changed_since, describe, snapshot
 from backlens.errors import UnsupportedInputError
 from backlens.report.display import seconds_text

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from backlens._nested import first_tensor
-from backlens.capture.capture import capture
+from backlens.capturing import capture
 from backlens.errors import BacklensWarning
 from backlens.graph.labels import CALL_LABEL_PATTERN, NODE_LABEL_PATTERN
 

@@ -2,12 +2,14 @@
 
 A ``TorchFunctionMode`` sees each torch-level call once (nested calls run with
 the mode disabled), so an op is what the model's code called: ``linear``,
-``relu``, ``__getitem__``. Module calls come from forward pre/post hooks. Each
-op and module call is bracketed by autograd sequence numbers, which later
-pairs every autograd node with the op and module that created it.
+``relu``, ``__getitem__``. Module calls are seen by one process-wide wrapper of
+``nn.Module._call_impl``, installed while a capture records (forward hooks
+would put every module call on torch's slow path). Each op and module call is
+bracketed by autograd sequence numbers, which later pairs every autograd node
+with the op and module that created it.
 
 The hot path stores small tuples and nothing that keeps an activation alive;
-records are built from the journal when read.
+op entries are built from those rows when first read.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch.overrides import TorchFunctionMode
 
 from backlens import _torch
 from backlens._nested import first_tensor
+from backlens.capture.views import OpView
 from backlens.graph.labels import op_name
 
 Tensor = torch.Tensor
@@ -32,42 +35,42 @@ _disable_torch_function = _torch.torch_function_disabled
 
 @dataclass(slots=True)
 class OpEntry:
-    """One forward op, as journalled."""
+    """One forward op, as journalled (the fields after ``activation`` exist live only)."""
 
     index: int
     name: str
     label: str
-    func: Callable[..., Any]
     module_call: int | None
-    seq_start: int
-    seq_end: int
     shape: tuple[int, ...] | None
     dtype: torch.dtype | None
     num_outputs: int
-    parents: list[int]
-    sources: list[int]
-    output_node: Any = None
+    parents: list[int]  # op indices
+    sources: list[int]  # source indices
     output_nr: int = 0
     inplace: bool = False
     activation: Tensor | None = None
+    func: Callable[..., Any] | None = None
+    seq_start: int | None = None
+    seq_end: int | None = None
+    output_node: Any = None
 
 
 @dataclass(slots=True)
 class ModuleCallEntry:
-    """One call of one module, as journalled."""
+    """One call of one module, as journalled (the fields after ``output_nr`` exist live only)."""
 
     index: int
     address: str
     module_address: str
     call_number: int
     parent: int | None
-    seq_start: int
     op_start: int
-    seq_end: int | None = None
     op_end: int | None = None
-    output_node: Any = None
-    output_nr: int = 0
     output_shape: tuple[int, ...] | None = None
+    output_nr: int = 0
+    seq_start: int | None = None
+    seq_end: int | None = None
+    output_node: Any = None
 
 
 class ForwardJournal:
@@ -89,14 +92,48 @@ class ForwardJournal:
         self.seq_start: int | None = None
         self.seq_end: int | None = None
         self._op_seq_starts: list[int] | None = None
+        self._tree: tuple[int, dict[str, int], list[list[int]]] | None = None
 
-    def module_children(self) -> list[list[int]]:
-        """Each module call's direct children (call indices), from the parent links."""
-        children: list[list[int]] = [[] for _ in self.module_calls]
-        for call in self.module_calls:
-            if call.parent is not None:
-                children[call.parent].append(call.index)
-        return children
+    def restore(self, ops: list[OpEntry], module_calls: list[ModuleCallEntry], module_types: dict[str, str],
+                source_kinds: list[str], source_names: list[str]) -> None:
+        """Fill a fresh journal with entries read back from a bundle."""
+        self._ops, self.module_calls, self.module_types = ops, module_calls, module_types
+        self.source_kinds, self.source_names = source_kinds, source_names
+
+    # -- module calls: one answer each ------------------------------------
+    def module_address(self, call: int | None) -> str | None:
+        """The address of module call ``call`` (an op's or node's module); None for no call."""
+        return self.module_calls[call].address if call is not None else None
+
+    def _call_tree(self) -> tuple[dict[str, int], list[list[int]]]:
+        """Call index by address, and each call's direct children (rebuilt as calls are added)."""
+        calls = self.module_calls
+        if self._tree is None or self._tree[0] != len(calls):
+            by_address = {call.address: call.index for call in calls}
+            children: list[list[int]] = [[] for _ in calls]
+            for call in calls:
+                if call.parent is not None:
+                    children[call.parent].append(call.index)
+            self._tree = (len(calls), by_address, children)
+        return self._tree[1], self._tree[2]
+
+    def children(self, call: int) -> list[int]:
+        return self._call_tree()[1][call]
+
+    def first_call(self, module_address: str) -> int | None:
+        """The first call of a module (``encoder.layer.0``, not ``encoder.layer.0:2``)."""
+        return self._call_tree()[0].get(module_address)
+
+    def call_chain(self, address: str) -> set[str]:
+        """A module call's address and those of every call it runs inside."""
+        by_address = self._call_tree()[0]
+        chain = set()
+        index = by_address.get(address)
+        while index is not None:
+            call = self.module_calls[index]
+            chain.add(call.address)
+            index = call.parent
+        return chain
 
     @property
     def ops(self) -> list[OpEntry]:
@@ -216,16 +253,6 @@ class ActivationPolicy:
         return bool(self.spec.matches(view))
 
 
-@dataclass
-class OpView:
-    """What a selector sees of an op while the forward runs."""
-
-    label: str
-    func: str
-    module: str | None
-    kind: str = "op"
-
-
 class ForwardRecorder(TorchFunctionMode):
     """Journals ops (as a TorchFunctionMode) and module calls (as hooks).
 
@@ -238,10 +265,11 @@ class ForwardRecorder(TorchFunctionMode):
     # per instance: a bound method stored on the recorder would be a reference cycle.
     observe_row: Callable[..., None] | None = None
 
-    def __init__(self, journal: ForwardJournal, activations: ActivationPolicy,
+    def __init__(self, state: Any, activations: ActivationPolicy,
                  op_hook: Callable[[OpEntry, Any], Any] | None = None):
         super().__init__()
-        self.journal = journal
+        self.state = state  # the CaptureState whose journal this fills
+        journal = self.journal = state.journal
         self.activations = activations
         # An op hook may replace an op's output (activation edits); None keeps the hot path lean.
         self.op_hook = op_hook
@@ -299,7 +327,7 @@ class ForwardRecorder(TorchFunctionMode):
         parent = stack[-1] if stack else None
         call = ModuleCallEntry(
             index, address if number == 1 else f"{address}:{number}", address, number, parent,
-            _sequence_nr(), len(self._raw),
+            op_start=len(self._raw), seq_start=_sequence_nr(),
         )
         calls.append(call)
         stack.append(index)
@@ -372,11 +400,8 @@ class ForwardRecorder(TorchFunctionMode):
 
     def _slow_path(self, index: int, out: Any, primary: Tensor) -> Any:
         entry = self.journal.op(index)
-        if self.activations.keeps_any:
-            module = (self.journal.module_calls[entry.module_call].address
-                      if entry.module_call is not None else None)
-            if self.activations.keeps(OpView(entry.label, entry.name, module)):
-                entry.activation = primary.detach().clone()
+        if self.activations.keeps_any and self.activations.keeps(self.state.view(OpView, index)):
+            entry.activation = primary.detach().clone()
         if self.op_hook is not None:
             out = self.op_hook(entry, out)
         return out

@@ -7,7 +7,7 @@ with a row per node call. Within an attribution, ``sum(row.flops) +
 unattributed_flops == executed_flops`` exactly.
 
 Reads only public records (``cap.passes``, ``cap.grad_fn_calls``) and the
-plain cost journal (``cap._cost``), never torch hooks, so a capture loaded
+cost journal of its state, never torch hooks, so a capture loaded
 from a bundle reads the same.
 """
 
@@ -175,7 +175,7 @@ class BackwardStatus:
 
 def backward_status(cap: Any) -> BackwardStatus:
     """The FLOP count and attribution of every backward pass over ``cap``."""
-    journal: CostJournal = getattr(cap, "_cost", None) or CostJournal()
+    journal: CostJournal = cap._state.cost or CostJournal()
     passes = list(cap.passes)
     calls_by_pass: dict[int, list[Any]] = {}
     for call in cap.grad_fn_calls:

@@ -124,7 +124,7 @@ class CostTree:
 
 def cost_tree(cap: Any, pass_: int | None = None) -> CostTree:
     """Build the cost tree of ``cap`` over every counted pass, or pass ``pass_`` only."""
-    journal: CostJournal = getattr(cap, "_cost", None) or CostJournal()
+    journal: CostJournal = cap._state.cost or CostJournal()
     status = backward_status(cap)
     counted = [p.number for p in status.passes if p.counted]
     state, reason = "counted", None
