@@ -296,6 +296,7 @@ class BackwardRecorder:
         if error is not None:
             return self.failures.translate(state, pass_, error)
         self._keep_returned_input_grads(state, pass_)
+        pass_.result = None  # read: torch.autograd.grad's results are the caller's
         return None
 
     def _keep_returned_input_grads(self, state: CaptureState, pass_: PassEntry) -> None:

@@ -30,7 +30,7 @@ import torch
 from backlens.capture.forward import ForwardJournal
 from backlens.capture.pairing import describe_node
 from backlens.capture.slots import GradSlots
-from backlens.capture.store import MemoryStore
+from backlens.capture.store import MemoryStore, TensorStore
 from backlens.graph.table import NodeEntry, NodeTable
 
 
@@ -86,7 +86,8 @@ class CallEntry:
 
 @dataclass(eq=False)
 class PassEntry:
-    """One backward engine run over the capture's graph (the fields after ``edits`` exist live only)."""
+    """One backward engine run over the capture's graph (``calls`` follows from the call
+    entries; the fields after it exist live only)."""
 
     number: int
     trigger: str
@@ -127,7 +128,7 @@ class CaptureState:
         self.extra_input_grads: list[tuple[int, torch.Tensor, int]] = []
         self.forward_edits: list[Any] = []
         self.cost: Any = None  # a CostJournal (backlens.cost.journal), None without one
-        self.store = store if store is not None else MemoryStore()
+        self.store: TensorStore = store if store is not None else MemoryStore()
         self.inference_only = False
         self.inference_cause: str | None = None
         self.backward_requested = True

@@ -94,7 +94,7 @@ class ModuleCallRecord(Record):
 
     @staticmethod
     def key_of(state: Any, at: int) -> str:
-        return state.journal.module_calls[at].address
+        return state.journal.module_address(at)
 
     @property
     def _entry(self) -> Any:
@@ -122,7 +122,7 @@ class ModuleCallRecord(Record):
     def children(self) -> list[str]:
         """Addresses of the calls made directly inside it."""
         journal = self._state.journal
-        return [journal.module_calls[c].address for c in journal.children(self._at)]
+        return [journal.module_address(c) for c in journal.children(self._at)]
 
     @property
     def ops(self) -> list[str]:

@@ -5,17 +5,18 @@ pass are translated with what the capture knows (its ops, modules, earlier
 passes, the node that was running). Custom Functions' saved tensors are
 fingerprinted when their nodes are discovered, so a pass over a retained graph
 whose node freed its own saved tensors is refused before it runs (it would
-fail misleadingly, or crash). Runs only when a pass fails or is refused.
+fail misleadingly, or crash). It reads the capture's entries through the same
+views save policies and edits see (capture/views.py), and runs only when a
+pass fails or is refused.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from backlens.capture.views import NodeView, OpView
 from backlens.cost.once_only import Fingerprint, changed_since, saved_of
 from backlens.errors import BacklensError
-from backlens.records.backward import BackwardPass, GradFn
-from backlens.records.forward import OpRecord
 from backlens.report.explain import (
     FailureContext,
     explain,
@@ -47,10 +48,10 @@ class PassFailures:
         view = state.view
         return FailureContext(
             pass_number=pass_.number,
-            failed_node=view(GradFn, pass_.failed_node) if pass_.failed_node is not None else None,
-            earlier_passes=[view(BackwardPass, i) for i in range(pass_.number - 1)],
-            ops=[view(OpRecord, i) for i in range(len(state.journal.ops))],
-            grad_fns=[view(GradFn, i) for i in range(len(state.nodes))],
+            failed_node=view(NodeView, pass_.failed_node) if pass_.failed_node is not None else None,
+            earlier_passes=state.passes[:pass_.number - 1],
+            ops=[view(OpView, i) for i in range(len(state.journal.ops))],
+            grad_fns=[view(NodeView, i) for i in range(len(state.nodes))],
             changed_saved=changed,
         )
 
@@ -80,4 +81,4 @@ class PassFailures:
 
     def nonfinite(self, state: Any, index: int, pass_: Any, bad: str) -> BaseException:
         """The error for the first node turning finite incoming gradients into ``bad`` (NaN/Inf)."""
-        return nonfinite_explanation(state.view(GradFn, index), pass_.number, bad).error()
+        return nonfinite_explanation(state.view(NodeView, index), pass_.number, bad).error()
