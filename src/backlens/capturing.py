@@ -61,6 +61,7 @@ def capture(
             code="not_a_module",
             remedy="Wrap the callable in an nn.Module (its forward calls the function) and capture that.",
         )
+    # The forward, recorded into the state's journal.
     state = CaptureState(make_store(storage))
     policy = GradPolicy(save_grads)
     armed = ArmedEdits(as_interventions(intervene), state.forward_edits)
@@ -93,6 +94,7 @@ def capture(
     if armed.any:
         armed.check_sites(journal)
 
+    # What the capture knows beside the journal.
     state.params = [ParamEntry(name, tuple(p.shape), p.dtype, p.requires_grad, weakref.ref(p))
                     for name, p in params.items()]
     state.inputs = [InputEntry(name, tuple(t.shape), t.dtype, t.requires_grad, isinstance(t, torch.nn.Parameter))
@@ -103,6 +105,9 @@ def capture(
     state.backward_requested = backward
     state.flops_enabled = flops
     state.cost = CostJournal(pending_forward=recorder.forward_cost() if flops else None)
+
+    # The backward recorder: it discovers the graph when first asked, and records
+    # passes over it when one is wanted and possible.
     if armed.gradient:
         armed.find_gradient_sites(state)
     live = backward and not state.inference_only

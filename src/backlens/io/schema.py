@@ -232,6 +232,11 @@ class Schema:
         return self.build(position, **fields)
 
 
+def one(schema: Schema) -> Kind:
+    """One entry of a schema (a section that is a single object)."""
+    return Kind(schema.write, schema.read)
+
+
 def entries(schema: Schema) -> Kind:
     """A list of entries of one schema (each built knowing its position)."""
     def read(value: Any, ctx: Any) -> list:
@@ -304,8 +309,8 @@ def _read_module_types(value: Any, ctx: Any) -> dict[str, str]:
 
 # The sections of a manifest that hold the state, in the order they are written.
 SECTIONS: dict[str, Kind] = {
-    "capture": Kind(CAPTURE.write, CAPTURE.read),
-    "sources": Kind(SOURCES.write, SOURCES.read),
+    "capture": one(CAPTURE),
+    "sources": one(SOURCES),
     "module_types": Kind(_plain, _read_module_types),
     "ops": entries(OP),
     "modules": entries(MODULE_CALL),
@@ -314,7 +319,7 @@ SECTIONS: dict[str, Kind] = {
     "grad_fns": entries(NODE),
     "calls": entries(CALL),
     "passes": entries(PASS),
-    "grad_slots": Kind(SLOTS.write, SLOTS.read),
+    "grad_slots": one(SLOTS),
     "forward_edits": entries(EDIT),
     "cost": optional(COST),
 }
