@@ -271,7 +271,7 @@ def test_ops_table_has_one_row_per_op():
 
 
 def test_the_model_walk_names_modules_params_and_buffers_as_torch_does():
-    from backlens.capture.capture import _walk_model
+    from backlens.capturing import _walk_model
 
     shared = nn.Linear(3, 3)
     model = nn.Sequential(shared, nn.BatchNorm1d(3), nn.Sequential(shared, nn.ReLU()), nn.Linear(3, 3))
@@ -317,7 +317,7 @@ def test_a_capture_dropped_without_close_leaves_the_engine_router_and_gradients_
     loss_of(reference(x)).backward()
     cap = bl.capture(model, x)
     loss = loss_of(cap.output)
-    recorder = cap._backward
+    recorder = cap._state.recorder
     assert recorder in engine._live_participants()
     gc.disable()
     try:

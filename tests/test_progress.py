@@ -88,7 +88,7 @@ def recording_progress(monkeypatch, target):
 
 
 def test_bench_backward_advances_once_per_pass_and_never_inside_the_backward(monkeypatch):
-    import backlens.cost.bench as bench
+    import backlens.bench as bench
 
     seen = recording_progress(monkeypatch, bench)
     torch.manual_seed(0)

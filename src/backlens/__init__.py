@@ -7,7 +7,7 @@ your code during the real forward and backward.
 
 from backlens import bench, report
 from backlens._version import __version__
-from backlens.capture.capture import Capture, capture
+from backlens.capturing import Capture, capture, load
 from backlens.derive.dispatch import derive
 from backlens.derive.record import DerivedGrads
 from backlens.edits import add_noise, clamp, clip_norm, grad, scale, when, zero_ablate
@@ -32,14 +32,12 @@ from backlens.errors import (
     UnsupportedInputError,
 )
 from backlens.graph.engine import CallSite
-from backlens.io.bundle import load
 from backlens.io.disk_store import to_disk
 from backlens.live import Batcher, Lens, Tracer, save, wrap
 from backlens.records.backward import BackwardPass, GradFn, GradFnCall
 from backlens.records.grads import GradRecord
 from backlens.report.doctor import doctor
 from backlens.report.explain import Explanation, explain
-from backlens.report.validate import ValidationResult, validate
 from backlens.select import (
     Selector,
     func,
@@ -51,6 +49,7 @@ from backlens.select import (
     module,
     without_op,
 )
+from backlens.validate import ValidationResult, validate
 
 __all__ = [
     # errors and warnings

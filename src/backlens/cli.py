@@ -170,25 +170,11 @@ def _make_input(model, shape_text: str, input_ids: bool):
     return torch.randn(shape, generator=generator)
 
 
-def _first_float_tensor(output: Any):
-    """The first floating-point tensor of a (nested) output, depth first; None if none."""
-    from collections.abc import Mapping
-
-    import torch
-
-    if isinstance(output, torch.Tensor):
-        return output if output.is_floating_point() else None
-    items = output.values() if isinstance(output, Mapping) else output if isinstance(output, (tuple, list)) else ()
-    for item in items:
-        found = _first_float_tensor(item)
-        if found is not None:
-            return found
-    return None
-
-
 def _loss_of(kind: str):
+    from backlens._nested import iter_tensors
+
     def loss(output: Any):
-        first = _first_float_tensor(output)
+        first = next((t for t in iter_tensors(output) if t.is_floating_point()), None)
         if first is None:
             raise UsageError("the model's output has no floating-point tensor to build a loss from")
         if kind == "mean":

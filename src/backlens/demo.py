@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backlens.capture.capture import Capture, capture
+from backlens.capturing import Capture, capture
 
 DEFAULT_SENTENCES = ("A man is playing a guitar on stage.", "Someone performs music with an instrument.")
 # Warm passes after the cold one: enough for stable medians, and the whole demo

@@ -22,7 +22,6 @@ shows as its ``save_grads_policy``.
 from __future__ import annotations
 
 import re
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -238,7 +237,6 @@ class _Module(Selector):
     def __init__(self, addresses: tuple[str, ...]):
         self.addresses = addresses
         self._parsed = [_split_address(a) for a in addresses]
-        self._chains: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def matches(self, obj: Any) -> bool:
         if _is_forward_op(obj):
@@ -260,24 +258,13 @@ class _Module(Selector):
 
     def _under_call(self, obj: Any, address: str, root: str, root_call: int, call: int | None) -> bool:
         """Whether module call ``address`` runs inside the ``root_call``-th call of ``root``."""
-        source = getattr(_op_of(obj) or _node_of(obj), "_source", None)
-        if source is None:
-            # A forward view carries no call tree: a child's call number
+        state = getattr(_op_of(obj) or _node_of(obj), "_state", None)
+        if state is None:
+            # An object without a capture state carries no call tree: a child's call number
             # follows its parent's in the usual one-child-call-per-parent-call case.
             return (call or 1) == root_call
-        chains = self._chains.get(source)
-        if chains is None:
-            parents = {m.address: m.parent for m in source.modules}
-            chains = {}
-            for start in parents:
-                chain, current = set(), start
-                while current is not None:
-                    chain.add(current)
-                    current = parents.get(current)
-                chains[start] = chain
-            self._chains[source] = chains
         wanted = root if root_call == 1 else f"{root}:{root_call}"
-        return wanted in chains.get(address, ())
+        return wanted in state.journal.call_chain(address)
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": "module", "names": list(self.addresses)}

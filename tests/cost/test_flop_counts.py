@@ -221,9 +221,9 @@ def test_parameter_gradients_with_flops_on_equal_a_stock_run_bitwise(name):
 def test_cost_data_is_plain_data_that_round_trips():
     cap, loss = captured("gpt2")
     loss.backward()
-    data = json.loads(json.dumps(cap._cost.to_dict()))
+    data = json.loads(json.dumps(cap._state.cost.to_dict()))
     restored = CostJournal.from_dict(data)
-    assert restored == cap._cost
+    assert restored == cap._state.cost
     assert restored.forward_flops == bl.report.backward_status(cap).forward_flops
 
 

@@ -59,7 +59,7 @@ def test_ops_without_a_shape_count_are_replayed_and_equal_flop_counter():
     model, x = Assorted(), torch.randn(2, 4, 6)
     forward, _backward = stock_counts(model, (x,), {}, lambda out: out)
     cap = bl.capture(model, x)
-    assert cap._cost.forward["replay_failures"] == []
+    assert cap._state.cost.forward["replay_failures"] == []
     assert sum(op.forward_flops for op in cap.ops) == forward > 0
     assert cap.ops["matmul_1"].forward_flops == 2 * 8 * 6 * 5
 
@@ -100,7 +100,7 @@ class UsesCustomOp(nn.Module):
 
 def test_an_op_that_cannot_replay_reads_none_and_is_named():
     cap = bl.capture(UsesCustomOp(), torch.randn(8, requires_grad=True))
-    (failure,) = cap._cost.forward["replay_failures"]
+    (failure,) = cap._state.cost.forward["replay_failures"]
     label = cap.ops[failure["op_index"]].label
     assert "twice" in failure["func"] and "twice" in label
     assert cap.ops[label].forward_flops is None and cap.ops["sum_1"].forward_flops == 0

@@ -11,8 +11,8 @@ from bundle_checks import assert_same_capture, same_value
 from safetensors.torch import load_file
 
 import backlens as bl
+from backlens import load
 from backlens.io import manifest as manifest_io
-from backlens.io.bundle import load
 from backlens.select import func, grad_output, module
 from models import MLP, BackwardExplodes, build, loss_of
 
@@ -144,7 +144,9 @@ def test_a_failed_pass_keeps_its_status_and_message(tmp_path):
         cap.output.sum().backward()
     loaded = load(cap.save(tmp_path / "b"))
     assert loaded.passes[0].status == "failed"
-    assert loaded.passes[0].error == str(cap.passes[0].error)
+    live_error, loaded_error = cap.passes[0].error, loaded.passes[0].error
+    assert type(loaded_error).__name__ == type(live_error).__name__ == "RuntimeError"
+    assert str(loaded_error) == str(live_error) and isinstance(loaded_error, Exception)
     assert same_value(cap.passes.to_pandas()["error"][0], loaded.passes.to_pandas()["error"][0])
 
 
@@ -177,14 +179,14 @@ def test_older_format_versions_are_migrated(tmp_path, monkeypatch):
     path = cap.save(tmp_path / "b")
     migrated = []
 
-    def from_1(manifest):
+    def from_2(manifest):
         migrated.append(manifest["format_version"])
-        return {**manifest, "format_version": 2}
+        return {**manifest, "format_version": 3}
 
-    monkeypatch.setattr(manifest_io, "FORMAT_VERSION", 2)
-    monkeypatch.setitem(manifest_io.MIGRATIONS, 1, from_1)
+    monkeypatch.setattr(manifest_io, "FORMAT_VERSION", 3)
+    monkeypatch.setitem(manifest_io.MIGRATIONS, 2, from_2)
     loaded = load(path)
-    assert migrated == [1] and loaded.format_version == 2
+    assert migrated == [2] and loaded.format_version == 3
     assert loaded.ops.labels() == cap.ops.labels()
 
 

@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 import backlens
-from backlens import select
-from backlens.io.bundle import load
+from backlens import load, select
 from backlens.io.disk_store import to_disk
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -43,10 +42,10 @@ def test_every_table_column_is_documented():
 
     text = (DOCS / "records.md").read_text()
     sections = {
-        "cap.ops": forward.OP_COLUMNS, "cap.modules": forward.MODULE_COLUMNS,
-        "cap.params": forward.PARAM_COLUMNS, "cap.inputs": forward.INPUT_COLUMNS,
-        "cap.passes": backward.PASS_COLUMNS, "cap.grad_fns": backward.GRAD_FN_COLUMNS,
-        "cap.grad_fn_calls": backward.CALL_COLUMNS,
+        "cap.ops": forward.OpRecord.COLUMNS, "cap.modules": forward.ModuleCallRecord.COLUMNS,
+        "cap.params": forward.ParamRecord.COLUMNS, "cap.inputs": forward.InputRecord.COLUMNS,
+        "cap.passes": backward.BackwardPass.COLUMNS, "cap.grad_fns": backward.GradFn.COLUMNS,
+        "cap.grad_fn_calls": backward.GradFnCall.COLUMNS,
     }
     for heading, columns in sections.items():
         start = text.index(f"## `{heading}`")

@@ -13,7 +13,7 @@ import torch
 from bundle_checks import assert_same_capture
 
 import backlens as bl
-from backlens.io.bundle import load
+from backlens import load
 from backlens.io.disk_store import to_disk
 from backlens.select import module
 from models import MLP, build, loss_of

@@ -2,10 +2,10 @@
 
 Every node of the capture's graph gets a pre-hook; a post-hook is added only
 while some pass may keep the gradients a node sends on (``grad_inputs``) or
-non-finite gradients are watched. A fire is journalled as a :class:`CallEntry`
-(node, pass, ordinal, timing, the gradients the pass's policy keeps); records
-are built from the journal when read. Hooks never change gradients unless an
-edit is armed for that node.
+non-finite gradients are watched. A fire is journalled as a call entry of the
+capture's state (node, pass, ordinal, timing, the gradients the pass's policy
+keeps), a pass as a pass entry. Hooks never change gradients unless an edit is
+armed for that node.
 
 A fire starts at its pre-hook and ends when the engine starts the next node
 on the same thread for the same run (or when the run ends). Its duration
@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import threading
 import time
-from bisect import bisect_right
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -30,11 +29,10 @@ import torch
 
 from backlens import _torch
 from backlens.capture.policy import GRAD_INPUT, GRAD_OUTPUT, GradPolicy
-from backlens.capture.store import TensorStore
+from backlens.capture.state import CallEntry, CaptureState, PassEntry
+from backlens.capture.views import NodeView
 from backlens.graph import engine
 from backlens.graph.discovery import walk_new
-from backlens.graph.table import NodeTable
-from backlens.records.backward import BackwardPass
 
 _now = time.perf_counter_ns
 _task_id = _torch.graph_task_id_function()
@@ -42,91 +40,60 @@ _sequence_nr = _torch.sequence_nr
 _thread = threading.get_ident
 
 
-@dataclass(eq=False, slots=True)
-class CallEntry:
-    """One journalled fire of one node."""
-
-    node: int
-    pass_number: int
-    ordinal: int
-    start_ns: int | None
-    end_ns: int
-    grad_inputs: tuple | None
-    grad_outputs: tuple | None
-    seq_start: int | None = None
-    seq_end: int | None = None
-    # Time spent in backlens's own post-hook inside the fire (not the node's).
-    hook_ns: int = 0
-    # Set when the pass closes, by backlens.cost (None: not counted).
-    flops: int | None = None
-    recompute_flops: int | None = None
-
-
-@dataclass(eq=False)
-class PassState:
-    """Journal-side state of one pass (the public record is ``record``)."""
-
-    record: BackwardPass
-    run: engine.Run
-    policy: GradPolicy
-    sides: list[int]
-    start_ns: int
-    call_indices: list[int]
-    created_roots: list[Any]
-    seq_start: int | None
-    seq_end: int | None = None
-    result: Any = None
-    failed_node: int | None = None
-
-
 class BackwardRecorder:
-    """Records every backward engine run over one capture's graph."""
+    """Records every backward engine run over one capture's graph into its state.
+
+    Held by the state and by the hooks on the user's graph; it reaches the state
+    through one weak reference (a strong one would make the state a cycle that
+    only the collector frees). ``failures`` explains refused and failed passes;
+    ``observers`` see each pass close (``on_pass_close(state, pass_, error)``) and
+    may hold a context open around an explicit run (``run_context(run, pass_)``);
+    ``edits`` puts armed gradient edits on nodes as they are found.
+    """
 
     def __init__(
         self,
-        table: NodeTable,
+        state: CaptureState,
         output_roots: list[Any],
         policy: GradPolicy,
+        *,
         timing: bool,
-        store: TensorStore,
-        on_nodes_added: Callable[[list[int]], None],
-        grad_fn_record: Callable[[int], Any],
-        on_pass_closed: Callable[[PassState, BaseException | None], BaseException | None],
+        input_tensors: list[torch.Tensor],
+        source_ids: dict[int, int],
         failures: Any,
-        source_kinds: list[str],
+        observers: list[Any] = (),
+        edits: Any = None,
         detect_nonfinite: bool = False,
     ):
-        self.table = table
+        self._state = weakref.ref(state)
+        # The parts of the state the hooks write, held directly (no lookup per fire).
+        self.table = state.table
+        self.calls = state.calls
+        self.node_calls = state.node_calls
+        self.passes = state.passes
+        self.store = state.store
         self.policy = policy
         self.timing = timing
-        self.store = store
-        # Objects with on_pass_open(state) / on_pass_close(state, error) and
-        # optionally run_context(run) -> context manager entered around an
-        # explicit engine run (e.g. a dispatch mode counting FLOPs).
-        self.observers: list[Any] = []
-        self.passes: list[PassState] = []
-        self.calls: list[CallEntry] = []
-        self.node_calls: list[list[int]] = []
+        self.failures = failures
+        self.observers = list(observers)
+        self.edits = edits
+        self.detect_nonfinite = detect_nonfinite
+        self.pre_edits: dict[int, Callable[[tuple, PassEntry], tuple | None]] = {}
+        self._input_tensors = input_tensors
+        self._source_ids = source_ids  # id(parameter or input) -> source index
+        self._source_kinds = state.journal.source_kinds  # "input" | "param" | "buffer", by source index
         self._output_roots = list(output_roots)
-        self._on_nodes_added = on_nodes_added
-        self._grad_fn_record = grad_fn_record
-        self._on_pass_closed = on_pass_closed
-        self._source_kinds = source_kinds  # "input" | "param" | "buffer", by source index
         self._handles: list[Any] = []
         self._sentinel_nodes: set[Any] = set()  # output nodes pre-hooked by arm()
         self._post_hooked = self._needs_post_hooks(policy, detect_nonfinite)
         self._forward_discovered = False
         self._task: int | None = None
-        self._pass: PassState | None = None
+        self._pass: PassEntry | None = None
         # The fire still running (or whose outputs the engine is routing), per (run, thread).
         self._open: dict[tuple[int, int], CallEntry] = {}
         self._next_policy: GradPolicy | None = None
         self.armed = False
         self.hooking = True
-        # Explains refused and failed passes (capture/failures.py).
-        self._failures = failures
-        self.detect_nonfinite = detect_nonfinite
-        self.pre_edits: dict[int, Callable[[tuple, PassState], tuple | None]] = {}
 
     # -- arming ----------------------------------------------------------
     def arm(self) -> None:
@@ -155,6 +122,13 @@ class BackwardRecorder:
         self._output_roots = []
         self._open.clear()
 
+    def close(self) -> None:
+        """Remove every hook and let go of the user's tensors (the capture closes)."""
+        self.close_stale()
+        self.remove_hooks()
+        self.failures.forget()
+        self._input_tensors = []
+
     # -- discovery -------------------------------------------------------
     def discover_forward(self) -> None:
         if self._forward_discovered:
@@ -163,8 +137,13 @@ class BackwardRecorder:
         found, _reached = walk_new(self._output_roots, self.table.knows)
         self._add(found)
 
+    def _leaf_source(self, node: Any) -> int | None:
+        """The parameter or input an AccumulateGrad node accumulates into (its source index)."""
+        variable = _torch.accumulate_grad_variable(node)
+        return self._source_ids.get(id(variable)) if variable is not None else None
+
     def _add(self, found: list[Any]) -> list[int]:
-        added = self.table.add(found)
+        added = self.table.add(found, self._leaf_source)
         node_calls = self.node_calls
         nodes = self.table.nodes
         if self.hooking:
@@ -181,8 +160,16 @@ class BackwardRecorder:
                     handles.append(node.register_hook(partial(on_post, index)))
         else:
             node_calls.extend([] for _ in added)
-        if added:
-            self._on_nodes_added(added)
+        state = self._state()
+        if added and state is not None:
+            # Relate the new nodes to the forward's tensors while they are held (by
+            # identity), fingerprint custom Functions' saved tensors, arm gradient edits.
+            for index in added:
+                if self.table.is_custom(index):
+                    self.failures.remember(nodes[index])
+            state.slots.resolve(state.journal, self._input_tensors, self.table.index_of)
+            if self.edits is not None:
+                self.edits.arm(state, self.pre_edits)
         return added
 
     @staticmethod
@@ -231,141 +218,134 @@ class BackwardRecorder:
     def use_policy_for_next_pass(self, policy: GradPolicy | None) -> None:
         self._next_policy = policy
 
-    def open_pass(self, run: engine.Run) -> PassState:
+    def open_pass(self, run: engine.Run) -> PassEntry:
         policy = self._next_policy or self.policy
         self._next_policy = None
         number = len(self.passes) + 1
-        record = BackwardPass(
-            number=number,
-            trigger=run.trigger,
-            call_site=run.call_site,
-            retain_graph=run.retain_graph,
-            create_graph=run.create_graph,
-            save_grads_policy=policy,
-        )
         if self.hooking and not self._post_hooked and self._needs_post_hooks(policy, self.detect_nonfinite):
             self._add_post_hooks()
         if isinstance(policy.spec, bool):
             sides = [policy.sides(None, number)] * len(self.table)  # no per-node question to ask
         else:
-            sides = [policy.sides(self._grad_fn_record(i), number) for i in range(len(self.table))]
-        state = PassState(
-            record=record,
-            run=run,
+            state = self._state()  # alive: a collected state disarmed this recorder
+            sides = [policy.sides(state.view(NodeView, i), number) for i in range(len(self.table))]
+        pass_ = PassEntry(
+            number=number,
+            trigger=run.trigger,
+            call_site=run.call_site,
+            retain_graph=run.retain_graph,
+            create_graph=run.create_graph,
             policy=policy,
-            sides=sides,
             start_ns=_now(),
-            call_indices=[],
-            created_roots=[],
+            run=run,
+            sides=sides,
             seq_start=_sequence_nr(),
         )
-        self.passes.append(state)
-        for observer in self.observers:
-            observer.on_pass_open(state)
-        return state
+        self.passes.append(pass_)
+        return pass_
 
-    def preflight(self, state: PassState) -> BaseException | None:
+    def preflight(self, pass_: PassEntry) -> BaseException | None:
         """An error to raise instead of running the engine (a node that cannot run again)."""
-        return self._failures.refuse_once_only_rerun(state)
+        state = self._state()
+        return self.failures.refuse(state, pass_) if state is not None else None
 
     def run_contexts(self, run: engine.Run) -> list[Any]:
         """Context managers to hold open around an explicit engine run."""
+        pass_ = run.passes.get(self)
         contexts = []
         for observer in self.observers:
             make = getattr(observer, "run_context", None)
-            context = make(run) if make is not None else None
+            context = make(run, pass_) if make is not None and pass_ is not None else None
             if context is not None:
                 contexts.append(context)
         return contexts
 
-    def close_pass(self, state: PassState, error: BaseException | None) -> BaseException | None:
-        if self._pass is state:
+    def close_pass(self, pass_: PassEntry, error: BaseException | None) -> BaseException | None:
+        """Close a pass; returns the error to raise in place of ``error`` (None: leave it)."""
+        if self._pass is pass_:
             self._task = None
             self._pass = None
-        record = state.record
-        if record.status != "running":
+        if pass_.status != "running":
             return None
-        end = _now()
-        record.duration = (end - state.start_ns) / 1e9
-        record.status = "failed" if error is not None else "ok"
-        still_open = [(key, entry) for key, entry in self._open.items() if entry.pass_number == record.number]
+        end = pass_.end_ns = _now()
+        pass_.status = "failed" if error is not None else "ok"
+        still_open = [(key, entry) for key, entry in self._open.items() if entry.pass_number == pass_.number]
         for key, _entry in still_open:
             del self._open[key]
         if error is not None:
             if still_open:
                 # The fire started last and never followed by another is the one that raised.
-                state.failed_node = still_open[-1][1].node
+                pass_.failed_node = still_open[-1][1].node
         else:
             for _key, entry in still_open:
-                self._finish(entry, end, state)
-        record.error = error
-        state.seq_end = _sequence_nr()
-        if state.run.create_graph and error is None:
-            self._discover_created(state)
-        if any(p.run.create_graph for p in self.passes):
-            record.orders = sorted(
-                {order for i in state.call_indices if (order := self.table.entries[self.calls[i].node].order) is not None}
-            )
+                self._finish(entry, end, pass_)
+        pass_.error = error
+        pass_.seq_end = _sequence_nr()
+        state = self._state()
+        if state is None:
+            return None
+        if pass_.create_graph and error is None:
+            self._discover_created(state, pass_)
+        if any(p.create_graph for p in self.passes):
+            nodes = state.nodes
+            pass_.orders = sorted({order for i in pass_.calls if (order := nodes[self.calls[i].node].order) is not None})
         else:
-            record.orders = [1] if state.call_indices else []  # no pass made nodes: every node is order 1
+            pass_.orders = [1] if pass_.calls else []  # no pass made nodes: every node is order 1
         for observer in self.observers:
-            observer.on_pass_close(state, error)
-        return self._on_pass_closed(state, error)
+            observer.on_pass_close(state, pass_, error)
+        if error is not None:
+            return self.failures.translate(state, pass_, error)
+        self._keep_returned_input_grads(state, pass_)
+        pass_.result = None  # read: torch.autograd.grad's results are the caller's
+        return None
 
-    def _discover_created(self, state: PassState) -> None:
-        roots = list(state.created_roots)
-        result = state.result
+    def _keep_returned_input_grads(self, state: CaptureState, pass_: PassEntry) -> None:
+        """``torch.autograd.grad`` returns its inputs' gradients instead of accumulating them:
+        those of the capture's inputs are theirs (when the pass keeps gradients)."""
+        run = pass_.run
+        if run.trigger != "torch.autograd.grad" or not run.inputs or pass_.policy.saves_nothing:
+            return
+        results = pass_.result if isinstance(pass_.result, (tuple, list)) else ()
+        for given, result in zip(run.inputs, results):
+            position = next((i for i, t in enumerate(self._input_tensors) if t is given), None)
+            if position is not None and isinstance(result, torch.Tensor):
+                state.extra_input_grads.append((position, result, pass_.number))
+
+    def _discover_created(self, state: CaptureState, pass_: PassEntry) -> None:
+        roots = list(pass_.created_roots)
+        result = pass_.result
         if isinstance(result, (tuple, list)):
             roots.extend(t.grad_fn for t in result if isinstance(t, torch.Tensor) and t.grad_fn is not None)
-        state.created_roots = []
+        pass_.created_roots = []
         found, _reached = walk_new(roots, self.table.knows)
         added = self._add(found)
-        resolved = sum(1 for i in added if self.table.entries[i].order is not None)
-        state.record.order_coverage = resolved / len(added) if added else 1.0
-
-    def order_for_created(self, seq: int | None) -> tuple[int | None, int | None]:
-        """(order, creator node index) for a node made after the forward."""
-        if seq is None:
-            return 1, None
-        for state in self.passes:
-            if not state.run.create_graph or state.seq_start is None:
-                continue
-            end = state.seq_end if state.seq_end is not None else _sequence_nr()
-            if not (state.seq_start <= seq < (end or 0)):
-                continue
-            calls = [self.calls[i] for i in state.call_indices if self.calls[i].seq_start is not None]
-            starts = [c.seq_start for c in calls]
-            pos = bisect_right(starts, seq) - 1
-            if pos >= 0 and calls[pos].seq_end is not None and seq < calls[pos].seq_end:
-                creator = calls[pos].node
-                creator_order = self.table.entries[creator].order
-                return (creator_order + 1 if creator_order is not None else None), creator
-            return None, None
-        return 1, None
+        nodes = state.nodes
+        resolved = sum(1 for i in added if nodes[i].order is not None)
+        pass_.order_coverage = resolved / len(added) if added else 1.0
 
     def close_stale(self) -> None:
         """Backstop: close implicit passes whose engine run has drained."""
-        if any(s.record.status == "running" and not s.run.explicit for s in self.passes):
+        if any(p.status == "running" and not p.run.explicit for p in self.passes):
             engine.close_stale_implicit_runs(_task_id())
 
     # -- hooks (hot path) --------------------------------------------------
-    def _current(self, index: int) -> PassState | None:
+    def _current(self, index: int) -> PassEntry | None:
         task = _task_id()
         if task == self._task and self.hooking:
             return self._pass
         return self._resolve_pass(index, task)
 
-    def _resolve_pass(self, index: int, task: int) -> PassState | None:
+    def _resolve_pass(self, index: int, task: int) -> PassEntry | None:
         if not self.hooking:
             return None  # removed while this fire was under way (its capture was collected)
         nodes = self.table.nodes
         if index >= len(nodes):
             return None
-        state = engine.pass_for(self, task, nodes[index])
-        if state is not None:
+        pass_ = engine.pass_for(self, task, nodes[index])
+        if pass_ is not None:
             self._task = task
-            self._pass = state
-        return state
+            self._pass = pass_
+        return pass_
 
     def _on_sentinel_pre(self, node: Any, grad_outputs: tuple) -> tuple | None:
         if not self.armed:
@@ -379,23 +359,23 @@ class BackwardRecorder:
 
     def _on_pre(self, index: int, grad_outputs: tuple) -> tuple | None:
         task = _task_id()
-        state = self._pass if task == self._task and self.hooking else self._resolve_pass(index, task)
-        if state is None:
+        pass_ = self._pass if task == self._task and self.hooking else self._resolve_pass(index, task)
+        if pass_ is None:
             return None
         now = _now()
-        create_graph = state.run.create_graph
+        create_graph = pass_.create_graph
         key = (self._task, _thread())
         previous = self._open.get(key)
         if previous is not None:
-            self._finish(previous, now, state)
+            self._finish(previous, now, pass_)
         edit = self.pre_edits.get(index)
-        replaced = edit(grad_outputs, state) if edit is not None else None
+        replaced = edit(grad_outputs, pass_) if edit is not None else None
         arriving = replaced if replaced is not None else grad_outputs
-        sides = state.sides[index] if index < len(state.sides) else 0
+        sides = pass_.sides[index] if index < len(pass_.sides) else 0
         kept = self.store.keep(self._owned(index, arriving), "grad_outputs") if sides & GRAD_OUTPUT else None
         self._open[key] = CallEntry(
             index,
-            state.record.number,
+            pass_.number,
             0,
             _now() if self.timing else None,  # after the edit and the copies: they are not the node's
             0,
@@ -406,39 +386,39 @@ class BackwardRecorder:
         if create_graph:
             for grad in arriving:
                 if grad is not None and grad.grad_fn is not None:
-                    state.created_roots.append(grad.grad_fn)
+                    pass_.created_roots.append(grad.grad_fn)
         return replaced
 
-    def _finish(self, entry: CallEntry, end: int, state: PassState) -> None:
+    def _finish(self, entry: CallEntry, end: int, pass_: PassEntry) -> None:
         """Journal a fire once the next one on its thread starts (or its run ends)."""
         entry.end_ns = end
-        if state.run.create_graph:
+        if pass_.create_graph:
             entry.seq_end = _sequence_nr()
         ordinals = self.node_calls[entry.node]
         entry.ordinal = len(ordinals) + 1
         call_index = len(self.calls)
         self.calls.append(entry)
         ordinals.append(call_index)
-        state.call_indices.append(call_index)
+        pass_.calls.append(call_index)
 
     def _on_post(self, index: int, grad_inputs: tuple, grad_outputs: tuple) -> None:
         began = _now()
-        state = self._current(index)
-        if state is None:
+        pass_ = self._current(index)
+        if pass_ is None:
             return None
         entry = self._open.get((self._task, _thread()))
         if entry is None or entry.node != index:
             return None
         try:
-            sides = state.sides[index] if index < len(state.sides) else 0
+            sides = pass_.sides[index] if index < len(pass_.sides) else 0
             if sides & GRAD_INPUT:
                 entry.grad_inputs = self.store.keep(tuple(grad_inputs), "grad_inputs")
             if self.detect_nonfinite:
-                self._check_finite(index, state, grad_inputs, grad_outputs)
-            if state.run.create_graph:
+                self._check_finite(index, pass_, grad_inputs, grad_outputs)
+            if pass_.create_graph:
                 for grad in grad_inputs:
                     if grad is not None and grad.grad_fn is not None:
-                        state.created_roots.append(grad.grad_fn)
+                        pass_.created_roots.append(grad.grad_fn)
         finally:
             entry.hook_ns += _now() - began
         return None
@@ -450,7 +430,7 @@ class BackwardRecorder:
             return tuple(g.detach().clone() if g is not None else None for g in grads)
         return tuple(grads)
 
-    def _check_finite(self, index: int, state: PassState, grad_inputs: tuple, grad_outputs: tuple) -> None:
+    def _check_finite(self, index: int, pass_: PassEntry, grad_inputs: tuple, grad_outputs: tuple) -> None:
         """Stop at the first node turning finite incoming gradients into NaN/Inf.
 
         Incoming gradients were checked as the outgoing ones of earlier nodes, so
@@ -462,7 +442,7 @@ class BackwardRecorder:
             if not all(_finite(g) for g in grad_outputs):
                 return  # it arrived non-finite; the node that made it was reported or is upstream
             bad = "NaN" if torch.isnan(grad).any() else "Inf"
-            raise self._failures.nonfinite_error(index, state, bad)
+            raise self.failures.nonfinite(self._state(), index, pass_, bad)
 
 
 def _finite(grad: Any) -> bool:

@@ -2,12 +2,14 @@
 
 A ``TorchFunctionMode`` sees each torch-level call once (nested calls run with
 the mode disabled), so an op is what the model's code called: ``linear``,
-``relu``, ``__getitem__``. Module calls come from forward pre/post hooks. Each
-op and module call is bracketed by autograd sequence numbers, which later
-pairs every autograd node with the op and module that created it.
+``relu``, ``__getitem__``. Module calls are seen by one process-wide wrapper of
+``nn.Module._call_impl``, installed while a capture records (forward hooks
+would put every module call on torch's slow path). Each op and module call is
+bracketed by autograd sequence numbers, which later pairs every autograd node
+with the op and module that created it.
 
 The hot path stores small tuples and nothing that keeps an activation alive;
-records are built from the journal when read.
+op entries are built from those rows when first read.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from backlens import _torch
+from backlens._nested import first_tensor
+from backlens.capture.views import OpView
 from backlens.graph.labels import op_name
 
 Tensor = torch.Tensor
@@ -31,42 +35,42 @@ _disable_torch_function = _torch.torch_function_disabled
 
 @dataclass(slots=True)
 class OpEntry:
-    """One forward op, as journalled."""
+    """One forward op, as journalled (the fields after ``activation`` exist live only)."""
 
     index: int
     name: str
     label: str
-    func: Callable[..., Any]
     module_call: int | None
-    seq_start: int
-    seq_end: int
     shape: tuple[int, ...] | None
     dtype: torch.dtype | None
     num_outputs: int
-    parents: list[int]
-    sources: list[int]
-    output_node: Any = None
+    parents: list[int]  # op indices
+    sources: list[int]  # source indices
     output_nr: int = 0
     inplace: bool = False
     activation: Tensor | None = None
+    func: Callable[..., Any] | None = None
+    seq_start: int | None = None
+    seq_end: int | None = None
+    output_node: Any = None
 
 
 @dataclass(slots=True)
 class ModuleCallEntry:
-    """One call of one module, as journalled."""
+    """One call of one module, as journalled (the fields after ``output_nr`` exist live only)."""
 
     index: int
     address: str
     module_address: str
     call_number: int
     parent: int | None
-    seq_start: int
     op_start: int
-    seq_end: int | None = None
     op_end: int | None = None
-    output_node: Any = None
-    output_nr: int = 0
     output_shape: tuple[int, ...] | None = None
+    output_nr: int = 0
+    seq_start: int | None = None
+    seq_end: int | None = None
+    output_node: Any = None
 
 
 class ForwardJournal:
@@ -88,14 +92,48 @@ class ForwardJournal:
         self.seq_start: int | None = None
         self.seq_end: int | None = None
         self._op_seq_starts: list[int] | None = None
+        self._tree: tuple[int, dict[str, int], list[list[int]]] | None = None
 
-    def module_children(self) -> list[list[int]]:
-        """Each module call's direct children (call indices), from the parent links."""
-        children: list[list[int]] = [[] for _ in self.module_calls]
-        for call in self.module_calls:
-            if call.parent is not None:
-                children[call.parent].append(call.index)
-        return children
+    def restore(self, ops: list[OpEntry], module_calls: list[ModuleCallEntry], module_types: dict[str, str],
+                source_kinds: list[str], source_names: list[str]) -> None:
+        """Fill a fresh journal with entries read back from a bundle."""
+        self._ops, self.module_calls, self.module_types = ops, module_calls, module_types
+        self.source_kinds, self.source_names = source_kinds, source_names
+
+    # -- module calls: one answer each ------------------------------------
+    def module_address(self, call: int | None) -> str | None:
+        """The address of module call ``call`` (an op's or node's module); None for no call."""
+        return self.module_calls[call].address if call is not None else None
+
+    def _call_tree(self) -> tuple[dict[str, int], list[list[int]]]:
+        """Call index by address, and each call's direct children (rebuilt as calls are added)."""
+        calls = self.module_calls
+        if self._tree is None or self._tree[0] != len(calls):
+            by_address = {call.address: call.index for call in calls}
+            children: list[list[int]] = [[] for _ in calls]
+            for call in calls:
+                if call.parent is not None:
+                    children[call.parent].append(call.index)
+            self._tree = (len(calls), by_address, children)
+        return self._tree[1], self._tree[2]
+
+    def children(self, call: int) -> list[int]:
+        return self._call_tree()[1][call]
+
+    def first_call(self, module_address: str) -> int | None:
+        """The first call of a module (``encoder.layer.0``, not ``encoder.layer.0:2``)."""
+        return self._call_tree()[0].get(module_address)
+
+    def call_chain(self, address: str) -> set[str]:
+        """A module call's address and those of every call it runs inside."""
+        by_address = self._call_tree()[0]
+        chain = set()
+        index = by_address.get(address)
+        while index is not None:
+            call = self.module_calls[index]
+            chain.add(call.address)
+            index = call.parent
+        return chain
 
     @property
     def ops(self) -> list[OpEntry]:
@@ -215,16 +253,6 @@ class ActivationPolicy:
         return bool(self.spec.matches(view))
 
 
-@dataclass
-class OpView:
-    """What a selector sees of an op while the forward runs."""
-
-    label: str
-    func: str
-    module: str | None
-    kind: str = "op"
-
-
 class ForwardRecorder(TorchFunctionMode):
     """Journals ops (as a TorchFunctionMode) and module calls (as hooks).
 
@@ -237,10 +265,11 @@ class ForwardRecorder(TorchFunctionMode):
     # per instance: a bound method stored on the recorder would be a reference cycle.
     observe_row: Callable[..., None] | None = None
 
-    def __init__(self, journal: ForwardJournal, activations: ActivationPolicy,
+    def __init__(self, state: Any, activations: ActivationPolicy,
                  op_hook: Callable[[OpEntry, Any], Any] | None = None):
         super().__init__()
-        self.journal = journal
+        self.state = state  # the CaptureState whose journal this fills
+        journal = self.journal = state.journal
         self.activations = activations
         # An op hook may replace an op's output (activation edits); None keeps the hot path lean.
         self.op_hook = op_hook
@@ -298,7 +327,7 @@ class ForwardRecorder(TorchFunctionMode):
         parent = stack[-1] if stack else None
         call = ModuleCallEntry(
             index, address if number == 1 else f"{address}:{number}", address, number, parent,
-            _sequence_nr(), len(self._raw),
+            op_start=len(self._raw), seq_start=_sequence_nr(),
         )
         calls.append(call)
         stack.append(index)
@@ -311,7 +340,7 @@ class ForwardRecorder(TorchFunctionMode):
                 output = self.module_output_hook(call, output)
             call.seq_end = _sequence_nr()
             call.op_end = len(self._raw)
-            first = output if isinstance(output, Tensor) else _first_tensor(output)
+            first = output if isinstance(output, Tensor) else first_tensor(output)
             if first is not None:
                 call.output_shape = tuple(first.shape)
                 node = first.grad_fn
@@ -371,11 +400,8 @@ class ForwardRecorder(TorchFunctionMode):
 
     def _slow_path(self, index: int, out: Any, primary: Tensor) -> Any:
         entry = self.journal.op(index)
-        if self.activations.keeps_any:
-            module = (self.journal.module_calls[entry.module_call].address
-                      if entry.module_call is not None else None)
-            if self.activations.keeps(OpView(entry.label, entry.name, module)):
-                entry.activation = primary.detach().clone()
+        if self.activations.keeps_any and self.activations.keeps(self.state.view(OpView, index)):
+            entry.activation = primary.detach().clone()
         if self.op_hook is not None:
             out = self.op_hook(entry, out)
         return out
@@ -440,50 +466,3 @@ def _collect(items: Any, ids: dict[int, int], refs: list[int]) -> None:
                 refs.append(found)
         elif isinstance(item, (list, tuple)):
             _collect(item, ids, refs)
-
-
-def _first_tensor(value: Any, depth: int = 3) -> Tensor | None:
-    """The first tensor in a module output (breadth before depth, shallow: runs per module call)."""
-    if isinstance(value, Tensor):
-        return value
-    if depth == 0:
-        return None
-    if isinstance(value, (tuple, list)):
-        items = value
-    elif hasattr(value, "values") and hasattr(value, "keys"):
-        try:
-            items = list(value.values())
-        except Exception:  # noqa: BLE001 - objects with a broken values() are not containers
-            return None
-    else:
-        return None
-    for item in items:
-        if isinstance(item, Tensor):
-            return item
-    for item in items:
-        found = _first_tensor(item, depth - 1)
-        if found is not None:
-            return found
-    return None
-
-
-def iter_tensors(value: Any, path: str = ""):
-    """Yield the tensors inside nested tuples, lists, dicts and ModelOutputs."""
-    for _path, tensor in iter_named_tensors(value, path):
-        yield tensor
-
-
-def iter_named_tensors(value: Any, path: str = ""):
-    """Yield ``(path, tensor)`` for every tensor inside a nested structure."""
-    if isinstance(value, Tensor):
-        yield path, value
-    elif isinstance(value, dict) or hasattr(value, "items") and hasattr(value, "keys"):
-        try:
-            items = list(value.items())
-        except Exception:  # noqa: BLE001 - objects with a broken items() are not containers
-            return
-        for key, item in items:
-            yield from iter_named_tensors(item, f"{path}[{key!r}]")
-    elif isinstance(value, (list, tuple)):
-        for position, item in enumerate(value):
-            yield from iter_named_tensors(item, f"{path}[{position}]")

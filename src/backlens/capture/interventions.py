@@ -9,10 +9,12 @@ from typing import Any
 
 import torch
 
-from backlens.capture.forward import ForwardJournal, OpEntry, OpView
+from backlens._nested import replace_first_tensor
+from backlens.capture.forward import OpEntry
+from backlens.capture.views import OpView
 from backlens.edits import EditContext, Intervention, apply_checked
 from backlens.errors import BackwardUnavailableError
-from backlens.records.base import label_not_found
+from backlens.graph.labels import label_not_found
 
 
 @dataclass(frozen=True)
@@ -35,15 +37,17 @@ def _norm(tensor: torch.Tensor) -> float:
 class ArmedEdits:
     """The interventions of one capture, split into forward and gradient sites."""
 
-    def __init__(self, interventions: list[Intervention]):
+    def __init__(self, interventions: list[Intervention], forward_applications: list[EditApplication]):
         self.activation: list[tuple[Any, Intervention]] = []
         self.gradient: list[tuple[Any, Intervention]] = []
         for intervention in interventions:
             for part in intervention.site.parts():
                 for target in part.targets:
                     (self.gradient if part.gradient else self.activation).append((target, intervention))
-        self.forward_applications: list[EditApplication] = []
+        self.forward_applications = forward_applications  # the state's forward_edits
         self._counts: dict[int, int] = {}
+        # (kind, op or module call index, intervention, site) of gradient edits not yet on a node.
+        self._pending: list[tuple[str, int, Intervention, str]] = []
 
     @property
     def any(self) -> bool:
@@ -64,22 +68,21 @@ class ArmedEdits:
         return count
 
     # -- forward -----------------------------------------------------------
-    def op_hook(self, journal: ForwardJournal):
-        """The ForwardRecorder op hook, or None when no activation edit is armed."""
+    def op_hook(self, state: Any):
+        """The ForwardRecorder op hook (``state``: the CaptureState being recorded)."""
 
         def hook(entry: OpEntry, out: Any) -> Any:
-            module = journal.module_calls[entry.module_call].address if entry.module_call is not None else None
-            view = OpView(entry.label, entry.name, module)
+            view = state.view(OpView, entry.index)
             for target, intervention in self.activation:
                 if isinstance(target, str):
                     if target != entry.label:
                         continue
                 elif not target.matches(view):
                     continue
-                out = self._edit_output(out, intervention, target, entry.label, module)
+                out = self._edit_output(out, intervention, target, entry.label, view.module)
             return out
 
-        return hook if self.activation else None
+        return hook
 
     @property
     def edits_module_outputs(self) -> bool:
@@ -103,64 +106,68 @@ class ArmedEdits:
             )
             return new
 
-        return _replace_first_tensor(out, run)
+        return replace_first_tensor(out, run)
 
-    def check_sites(self, ops: list[OpEntry], module_calls: list[Any]) -> None:
+    def check_sites(self, journal: Any) -> None:
         """A site string that names no op and no module call: KeyError with close labels."""
-        labels = {op.label for op in ops}
-        addresses = {c.address for c in module_calls} | {c.module_address for c in module_calls}
+        labels = {op.label for op in journal.ops}
+        calls = journal.module_calls
+        addresses = {c.address for c in calls} | {c.module_address for c in calls}
         for target, _ in [*self.activation, *self.gradient]:
             if isinstance(target, str) and target not in labels and target not in addresses:
                 raise label_not_found("op or module", target, sorted(labels | addresses))
 
     # -- backward ------------------------------------------------------------
-    def gradient_targets(self, ops: list[OpEntry], module_calls: list[Any], module_of: Any):
-        """(kind, index, intervention, site) for every op or module call a gradient site names."""
+    def find_gradient_sites(self, state: Any) -> None:
+        """Every op and module call a gradient site names, to arm as their nodes are found."""
+        journal = state.journal
         for target, intervention in self.gradient:
             site = target if isinstance(target, str) else repr(target)
             if isinstance(target, str):
-                for op in ops:
-                    if op.label == target:
-                        yield "op", op.index, intervention, site
-                for call in module_calls:
-                    if target in (call.address, call.module_address):
-                        yield "module", call.index, intervention, site
+                self._pending += [("op", op.index, intervention, site) for op in journal.ops if op.label == target]
+                self._pending += [("module", call.index, intervention, site) for call in journal.module_calls
+                                  if target in (call.address, call.module_address)]
             else:
-                for op in ops:
-                    if target.matches(OpView(op.label, op.name, module_of(op))):
-                        yield "op", op.index, intervention, site
+                self._pending += [("op", op.index, intervention, site) for op in journal.ops
+                                  if target.matches(state.view(OpView, op.index))]
+
+    def arm(self, state: Any, pre_edits: dict[int, Any]) -> None:
+        """Put each pending gradient edit on the pre-hook of the node its site's output came from."""
+        if not self._pending:
+            return
+        journal = state.journal
+        per_node: dict[int, list] = {}
+        still_pending = []
+        for kind, index, intervention, site in self._pending:
+            if kind == "op":
+                node, entry = state.node_of_op(index), journal.ops[index]
+                op, module = entry.label, journal.module_address(entry.module_call)
+            else:
+                node, entry = state.node_of_module_call(index), journal.module_calls[index]
+                op, module = None, entry.address
+            if node is None:
+                still_pending.append((kind, index, intervention, site))
+                continue
+            per_node.setdefault(node, []).append((entry.output_nr, intervention, site, op, module))
+        self._pending = still_pending
+        for node, edits in per_node.items():
+            pre_edits[node] = self.grad_edit(edits)
 
     def grad_edit(self, edits: list[tuple[int, Intervention, str, str | None, str | None]]):
         """A node pre-hook body applying ``edits`` (output_nr, intervention, site, op, module)."""
 
-        def pre(grad_outputs: tuple, state: Any) -> tuple:
+        def pre(grad_outputs: tuple, pass_: Any) -> tuple:
             grads = list(grad_outputs)
             for output_nr, intervention, site, op, module in edits:
                 value = grads[output_nr]
                 if value is None:
                     continue
-                ctx = EditContext(site, op, module, state.record.number, application=self._next(intervention))
+                ctx = EditContext(site, op, module, pass_.number, application=self._next(intervention))
                 new = apply_checked(intervention.edit, value, ctx)
-                state.record.edits.append(
-                    EditApplication(site, repr(intervention.edit), op, module, state.record.number,
-                                    _norm(value), _norm(new))
+                pass_.edits.append(
+                    EditApplication(site, repr(intervention.edit), op, module, pass_.number, _norm(value), _norm(new))
                 )
                 grads[output_nr] = new
             return tuple(grads)
 
         return pre
-
-
-def _replace_first_tensor(out: Any, run) -> Any:
-    if isinstance(out, torch.Tensor):
-        return run(out)
-    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
-        return (run(out[0]), *out[1:])
-    if isinstance(out, list) and out and isinstance(out[0], torch.Tensor):
-        return [run(out[0]), *out[1:]]
-    if hasattr(out, "keys"):
-        for key in out.keys():
-            if isinstance(out[key], torch.Tensor):
-                out[key] = run(out[key])
-                return out
-    return out

@@ -1,8 +1,8 @@
 """Where saved gradients live: in memory by default, on disk with ``bl.to_disk``.
 
-The backward journal never holds tensors directly; it holds whatever
-``keep`` returns, and records read tensors back through ``load``. A store
-may write as tensors arrive and read them back lazily.
+Call entries hold whatever ``keep`` returns (a handle), and records read the
+tensors back through ``load``. A store may write as tensors arrive and read
+them back lazily; a loaded bundle's store (io/bundle.py) only reads.
 """
 
 from __future__ import annotations

@@ -14,7 +14,6 @@ Both run once per pass or forward, never per node fire.
 from __future__ import annotations
 
 import warnings
-import weakref
 from typing import Any
 
 from backlens._frames import user_frame
@@ -26,31 +25,22 @@ _CODE = "selector_matched_nothing"
 class UnmatchedSelectorWarner:
     """Pass observer for a capture's :class:`BackwardRecorder` (see ``observers``)."""
 
-    def __init__(self, recorder: Any):
-        self._recorder_ref = weakref.ref(recorder)  # the recorder holds its observers
-
-    def on_pass_open(self, state: Any) -> None:
-        return None
-
-    def on_pass_close(self, state: Any, error: BaseException | None) -> None:
-        spec = state.policy.spec
+    def on_pass_close(self, state: Any, pass_: Any, error: BaseException | None) -> None:
+        spec = pass_.policy.spec
         if error is not None or isinstance(spec, bool) or spec is None:
             return
-        number = state.record.number
         scope = getattr(spec, "pass_scope", None)
-        if scope is not None and scope(number) is False:
+        if scope is not None and scope(pass_.number) is False:
             return
-        recorder = self._recorder_ref()
-        calls = recorder.calls
-        fired = [calls[i] for i in state.call_indices]
+        fired = [state.calls[i] for i in pass_.calls]
         if any(c.grad_inputs is not None or c.grad_outputs is not None for c in fired):
             return
-        entries = recorder.table.entries
-        types = sorted({entries[c.node].type for c in fired})
+        nodes = state.nodes
+        types = sorted({nodes[c.node].type for c in fired})
         seen = f" Node types that ran: {_short(types)}." if types else " No node of this capture ran."
         _warn(
-            f"save_grads={spec!r} matched nothing in backward pass {number} "
-            f"({state.record.trigger}): no gradient was saved.{seen} "
+            f"save_grads={spec!r} matched nothing in backward pass {pass_.number} "
+            f"({pass_.trigger}): no gradient was saved.{seen} "
             "Check the names (cap.ops.labels(), cap.grad_fns.to_pandas()) or widen the selector.",
         )
 

@@ -1,6 +1,6 @@
 """The cost data a capture keeps, as plain data (ints, strings, lists, dicts).
 
-One :class:`CostJournal` per capture (``cap._cost``). ``forward`` is
+One :class:`CostJournal` per capture state (``state.cost``). ``forward`` is
 ``{"op_flops": [int | None per op], "replay_failures": [{"op_index", "func",
 "error"}]}`` (``None`` when the capture was made with ``flops=False``; an op's
 entry is ``None`` when its meta replay failed); ``passes`` holds one dict per

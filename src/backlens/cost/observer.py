@@ -4,17 +4,15 @@ For each explicit engine run over the capture's graph the recorder asks
 :meth:`FlopObserver.run_context` for a context to hold open around the real
 engine run: a fresh :class:`BackwardCensus`. When the pass closes the census
 is settled onto the pass's call entries and the pass dict is appended to the
-capture's :class:`CostJournal`. Implicit runs never get a census: their pass
-dict says so.
+state's :class:`~backlens.cost.journal.CostJournal`. Implicit runs never get a
+census: their pass dict says so.
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 from backlens.cost.census import BackwardCensus
-from backlens.cost.journal import CostJournal
 from backlens.cost.settle import no_count_reason, settle, uncounted
 
 _dispatch_modes_warm = False
@@ -54,32 +52,21 @@ def _enter_a_dispatch_mode() -> None:
 class FlopObserver:
     """Counts backward FLOPs of every explicit pass of one capture."""
 
-    def __init__(self, recorder: Any, journal: CostJournal):
+    def __init__(self) -> None:
         _warm_dispatch_modes()
-        self._recorder_ref = weakref.ref(recorder)  # the recorder holds its observers
-        self._journal = journal
         self._census: dict[int, BackwardCensus] = {}
 
-    def on_pass_open(self, state: Any) -> None:
-        return None
-
-    def run_context(self, run: Any) -> BackwardCensus | None:
-        state = run.passes.get(self._recorder_ref())
-        if state is None:
-            return None
-        census = BackwardCensus(create_graph=run.create_graph)
-        self._census[state.record.number] = census
+    def run_context(self, run: Any, pass_: Any) -> BackwardCensus:
+        census = self._census[pass_.number] = BackwardCensus(create_graph=run.create_graph)
         return census
 
-    def on_pass_close(self, state: Any, error: BaseException | None) -> None:
-        number = state.record.number
-        census = self._census.pop(number, None)
-        recorder = self._recorder_ref()
-        calls = [recorder.calls[i] for i in state.call_indices]
-        reason = no_count_reason(census, state.run.trigger, state.run.explicit, error)
+    def on_pass_close(self, state: Any, pass_: Any, error: BaseException | None) -> None:
+        census = self._census.pop(pass_.number, None)
+        calls = [state.calls[i] for i in pass_.calls]
+        reason = no_count_reason(census, pass_.trigger, pass_.run.explicit, error)
         if reason is not None:
             for entry in calls:
                 entry.flops = entry.recompute_flops = None
-            self._journal.passes.append(uncounted(number, reason))
+            state.cost.passes.append(uncounted(pass_.number, reason))
             return
-        self._journal.passes.append(settle(census, number, calls, recorder.table))
+        state.cost.passes.append(settle(census, pass_.number, calls, state))

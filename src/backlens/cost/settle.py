@@ -43,14 +43,13 @@ def no_count_reason(census: BackwardCensus | None, trigger: str, explicit: bool,
     return None
 
 
-def settle(census: BackwardCensus, number: int, calls: list[Any], table: Any) -> dict[str, Any]:
-    """Write each call's ``flops``/``recompute_flops`` and return the pass dict.
+def settle(census: BackwardCensus, number: int, calls: list[Any], state: Any) -> dict[str, Any]:
+    """Write each call entry's ``flops``/``recompute_flops`` and return the pass dict.
 
-    ``calls`` are the pass's call entries (``.node`` indexes ``table``, the
-    capture's ``NodeTable``); a node fires at most once per engine run, so
-    node index -> call is one-to-one.
+    ``calls`` are the pass's call entries of ``state`` (a CaptureState); a node
+    fires at most once per engine run, so node index -> call is one-to-one.
     """
-    index_of = table.index_of
+    index_of = state.table.index_of
     attributed = _torch.HAS_CURRENT_AUTOGRAD_NODE
     known = census.recompute_known
     call_of_node: dict[int, Any] = {}
@@ -75,7 +74,7 @@ def settle(census: BackwardCensus, number: int, calls: list[Any], table: Any) ->
             if index is None:
                 under = f"{type(node).__name__} (a node outside this capture's graph)"
             else:
-                under = f"{table.entries[index].label} (a node with no recorded call in this pass)"
+                under = f"{state.nodes[index].label} (a node with no recorded call in this pass)"
             bucket(func, under, flops)
             continue
         entry.flops += flops

@@ -12,7 +12,9 @@ from typing import Any
 
 import torch
 
-Node = Any  # torch.autograd.graph.Node; C++ wrappers are not subclasses at runtime
+# torch.autograd.graph.Node: C++ node classes are registered as virtual subclasses
+# (isinstance holds, they are not in its MRO) and are not weakref-able.
+Node = Any
 
 
 def root_nodes(tensors_or_edges: Iterable[Any]) -> list[Node]:

@@ -2,9 +2,9 @@
 
 ``torch.autograd.backward``, ``Tensor.backward`` and ``torch.autograd.grad``
 all end in one engine entry point of ``torch.autograd.graph``. backlens wraps it
-once per process through ``_torch.install_engine_wrapper`` (the
-only global state that outlives a capture); with no capture armed the wrapper
-is a pass-through. A run started elsewhere is found by the engine's graph-task
+once per process through ``_torch.install_engine_wrapper`` and leaves it in
+place (as live tracing does with ``Tensor.backward``); with no capture armed
+the wrapper is a pass-through. A run started elsewhere is found by the engine's graph-task
 id when one of a capture's hooks first fires, and becomes an *implicit* run,
 closed when the engine drains.
 """

@@ -5,12 +5,17 @@
   ``Backward<digits>`` suffix, lowercased; ``k`` counts nodes of that type,
   ``n`` counts all nodes.
 * call: ``{node label}:{c}``, the c-th fire of that node.
+* parameter: ``{module address}.{name}``; the root module's address is ``""``.
 """
 
 from __future__ import annotations
 
+import difflib
 import functools
 import re
+from collections.abc import Sequence
+
+from backlens.errors import LabelNotFoundError
 
 _BACKWARD_SUFFIX = re.compile(r"Backward\d*$")
 
@@ -63,5 +68,32 @@ def call_label(node_label_: str, c: int) -> str:
     return f"{node_label_}:{c}"
 
 
+def owning_module(param_name: str) -> str:
+    """``encoder.layer.0.weight`` -> ``encoder.layer.0`` (the root module is ``""``)."""
+    return param_name.rpartition(".")[0]
+
+
 NODE_LABEL_PATTERN = re.compile(r"^[a-z0-9_]+_back_\d+_\d+$")
 CALL_LABEL_PATTERN = re.compile(r"^[a-z0-9_]+_back_\d+_\d+:\d+$")
+
+
+def close_labels(wanted: str, labels: Sequence[str], limit: int = 5) -> list[str]:
+    """Labels that look like ``wanted``, best first (prefix matches count too)."""
+    close = difflib.get_close_matches(wanted, labels, n=limit, cutoff=0.5)
+    if len(close) < limit:
+        stem = wanted.rsplit("_", 1)[0]
+        for label in labels:
+            if label.startswith(stem) and label not in close:
+                close.append(label)
+                if len(close) == limit:
+                    break
+    return close
+
+
+def label_not_found(kind: str, wanted: str, labels: Sequence[str]) -> LabelNotFoundError:
+    close = close_labels(wanted, labels)
+    hint = f" Close labels: {', '.join(close)}." if close else ""
+    return LabelNotFoundError(
+        f"No {kind} labelled {wanted!r}.{hint}",
+        remedy=f"Use a label from .labels() of the {kind} list.",
+    )

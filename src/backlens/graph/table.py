@@ -1,16 +1,17 @@
-"""The capture's table of autograd nodes: identity, labels, pairing, order.
+"""The capture's table of autograd nodes: identity, and one entry per node.
 
-Nodes are held strongly for the capture's life (their wrappers are not
-weakref-able and ids are reused once dropped); ``clear()`` releases them.
-Each batch of newly discovered nodes is indexed in creation order (sequence
-number), AccumulateGrad nodes after the rest in walk order, so the same model
-and input always give the same labels.
+A live capture holds its nodes strongly (their wrappers are not weakref-able
+and ids are reused once dropped) until ``clear()``. Each batch of newly
+discovered nodes is indexed in creation order (sequence number), AccumulateGrad
+nodes after the rest in walk order, so the same model and input always give
+the same labels.
 
-Discovery runs inside the user's backward call, so it only indexes nodes
-and notes the few facts that need the node object (type, sequence number,
-custom or not, the leaf behind an AccumulateGrad); entries (label, pairing
-with the forward, order) are built from those facts in index order when first
-read, also after ``clear()`` has dropped the nodes.
+Discovery runs inside the user's backward call, so it only indexes nodes and
+notes the few facts that need the node object (type, sequence number, custom
+or not, the source behind an AccumulateGrad). Entries (label, pairing with the
+forward, order) are built from those facts in index order when first read,
+also after ``clear()``; a table read back from a bundle holds its entries from
+the start (``restored``).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class NodeEntry:
 
 @dataclass(slots=True)
 class Pairing:
-    """How a node relates to the forward: filled in by the capture."""
+    """How a node relates to the forward (see capture/pairing.py)."""
 
     op: int | None = None
     module_call: int | None = None
@@ -54,43 +55,50 @@ class Pairing:
     source: int | None = None
 
 
+# describe(type_name, sequence_nr, is_custom, leaf_source) -> Pairing
+Describe = Callable[[str, "int | None", bool, "int | None"], Pairing]
+
+
 class NodeTable:
-    """Autograd nodes by index, and their entries (built on read).
+    """Autograd nodes by index (while a live capture holds them), and their entries."""
 
-    ``describe(type_name, sequence_nr, is_custom, leaf_source)`` pairs a node
-    with the forward; ``leaf_source(node)`` names the source an AccumulateGrad
-    node accumulates into (None for other leaves).
-    """
-
-    def __init__(
-        self,
-        describe: Callable[[str, int | None, bool, int | None], Pairing],
-        leaf_source: Callable[[Any], int | None],
-    ):
-        self._describe = describe
-        self._leaf_source = leaf_source
+    def __init__(self) -> None:
         self.nodes: list[Any] = []
-        self.types: list[str] = []
-        self.is_custom: list[bool] = []
         self.index_of: dict[Any, int] = {}
-        self._sequence_nrs: list[int | None] = []
-        self._leaf_sources: dict[int, int | None] = {}
+        self.types: list[str] = []
+        # Per node: sequence number, custom Function or not, the source an AccumulateGrad feeds.
+        self._facts: list[tuple[int | None, bool, int | None]] = []
         self._entries: list[NodeEntry] = []
         self._type_counts: dict[str, int] = {}
         self._building = False
 
+    @classmethod
+    def restored(cls, entries: list[NodeEntry]) -> NodeTable:
+        """A table of entries read back from a bundle (no nodes)."""
+        table = cls()
+        table._entries = list(entries)
+        table.types = [e.type for e in entries]
+        table._facts = [(e.sequence_nr, e.is_custom, e.source) for e in entries]
+        return table
+
     def __len__(self) -> int:
         return len(self.types)
 
+    def is_custom(self, index: int) -> bool:
+        return self._facts[index][1]
+
     def leaf_source(self, index: int) -> int | None:
         """The source an AccumulateGrad node accumulates into (None for other nodes)."""
-        return self._leaf_sources.get(index)
+        return self._facts[index][2]
 
     def knows(self, node: Any) -> bool:
         return node in self.index_of
 
-    def add(self, found: Iterable[Any]) -> list[int]:
-        """Index newly found nodes (creation order); returns their indices."""
+    def add(self, found: Iterable[Any], leaf_source: Callable[[Any], int | None]) -> list[int]:
+        """Index newly found nodes (creation order); returns their indices.
+
+        ``leaf_source(node)`` names the source an AccumulateGrad node feeds.
+        """
         keyed = []
         for position, node in enumerate(found):
             seq = _torch.node_sequence_nr(node)
@@ -106,22 +114,23 @@ class NodeTable:
             type_name = type(node).__name__
             self.nodes.append(node)
             self.types.append(type_name)
-            self.is_custom.append(_torch.is_custom_function_node(node))
-            self._sequence_nrs.append(None if unsequenced else seq)
-            if type_name == "AccumulateGrad":
-                self._leaf_sources[index] = self._leaf_source(node)
+            self._facts.append((None if unsequenced else seq, _torch.is_custom_function_node(node),
+                                leaf_source(node) if type_name == "AccumulateGrad" else None))
             index_of[node] = index
             added.append(index)
         return added
 
-    @property
-    def entries(self) -> list[NodeEntry]:
-        """Every node's entry, built up to the last indexed node on read."""
+    def entries(self, describe: Describe) -> list[NodeEntry]:
+        """Every node's entry, building those not built yet with ``describe``."""
         if len(self._entries) < len(self.types) and not self._building:
-            self._build()
+            self._build(describe)
         return self._entries
 
-    def _build(self) -> None:
+    def built(self) -> list[NodeEntry]:
+        """The entries built so far (what ``describe`` may read while it builds)."""
+        return self._entries
+
+    def _build(self, describe: Describe) -> None:
         # Describing a node may read earlier entries (a created node's creator):
         # those are built already, and re-entrant reads see the partial list.
         self._building = True
@@ -132,25 +141,21 @@ class NodeTable:
                 stem = node_type_stem(type_name)
                 k = self._type_counts.get(stem, 0) + 1
                 self._type_counts[stem] = k
-                sequence_nr = self._sequence_nrs[index]
-                is_custom = self.is_custom[index]
-                # None once the capture is gone (a fire under way when it was collected).
-                pairing = self._describe(type_name, sequence_nr, is_custom, self.leaf_source(index)) or Pairing()
-                entries.append(
-                    NodeEntry(
-                        index=index,
-                        label=node_label(type_name, k, index + 1),
-                        type=type_name,
-                        sequence_nr=sequence_nr,
-                        op=pairing.op,
-                        module_call=pairing.module_call,
-                        module_source=pairing.module_source,
-                        order=pairing.order,
-                        is_custom=is_custom,
-                        param=pairing.param,
-                        source=pairing.source,
-                    )
-                )
+                sequence_nr, is_custom, source = self._facts[index]
+                pairing = describe(type_name, sequence_nr, is_custom, source)
+                entries.append(NodeEntry(
+                    index=index,
+                    label=node_label(type_name, k, index + 1),
+                    type=type_name,
+                    sequence_nr=sequence_nr,
+                    op=pairing.op,
+                    module_call=pairing.module_call,
+                    module_source=pairing.module_source,
+                    order=pairing.order,
+                    is_custom=is_custom,
+                    param=pairing.param,
+                    source=pairing.source,
+                ))
         finally:
             self._building = False
 

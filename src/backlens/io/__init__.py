@@ -1,9 +1,9 @@
-"""Bundles on disk (API.md §6, docs/bundles.md).
+"""Bundles on disk (API.md §6, docs/bundles.md): a capture state, serialized.
 
-* ``bundle.save`` / ``bundle.load``: ``cap.save(path)`` and ``bl.load(path)``.
-* ``disk_store.to_disk``: ``storage=bl.to_disk(path)``, streaming saved
-  gradients into a bundle while the backward runs.
-* ``loaded.LoadedCapture``: a bundle read back as the same records.
-* ``manifest``, ``codec``, ``shards``: the manifest layout, record values as
-  JSON, and safetensors shards. No pickle anywhere.
+* ``bundle``: ``cap.save(path)`` (``save_state``) and ``bl.load(path)`` (``read_bundle``).
+* ``disk_store``: ``storage=bl.to_disk(path)``, streaming saved gradients into a
+  bundle while the backward runs.
+* ``manifest``, ``schema``, ``shards``, ``names``: the manifest's layout and
+  checks, the state's entries under format version 2, safetensors shards, and
+  the bundle's file names. No pickle anywhere.
 """

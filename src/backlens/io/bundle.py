@@ -1,7 +1,8 @@
 """``cap.save(path)`` and ``bl.load(path)``: bundles on disk (API.md §6).
 
-A bundle is a directory: ``manifest.json`` (see io/manifest.py) and
-safetensors shards. No pickle anywhere.
+A bundle is a directory: ``manifest.json`` (io/manifest.py: the capture state
+under an explicit schema, io/schema.py) and safetensors shards. No pickle
+anywhere.
 
 Writing is all-or-nothing: a new bundle is built in a hidden temporary
 directory beside ``path`` and renamed into place at the end; on any error the
@@ -9,9 +10,12 @@ temporary directory is removed and ``path`` is left as it was. An existing
 path is refused unless ``overwrite=True``, and even then only a bundle (or an
 empty directory) is replaced, never another directory.
 
-Reading checks everything before a record is built: the manifest's format,
+Reading checks everything before the state is built: the manifest's format,
 version and checksum, every shard's presence, size, header and sha256 (and
-each tensor's sha256). Any problem is a :class:`BundleError` naming the file.
+each tensor's sha256), every field of every entry. Any problem is a
+:class:`BundleError` naming the file. What it builds is the same
+:class:`~backlens.capture.state.CaptureState` a live capture fills, over
+read-only storage, so records read through the same code.
 """
 
 from __future__ import annotations
@@ -19,65 +23,41 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from backlens.derive import bundle as derived_bundle
+from backlens.capture.state import CaptureState
 from backlens.errors import BundleError
 from backlens.io import manifest as manifest_io
-from backlens.io.disk_store import MANIFEST, STREAM_MARKER, DiskStore, check_target
-from backlens.io.loaded import LoadedCapture, TensorIndex
-from backlens.io.shards import DTYPES, ITEMSIZE, ShardWriter, TensorEntry, hash_file, read_header
+from backlens.io.disk_store import DiskStore, check_target
+from backlens.io.names import MANIFEST, STREAM_MARKER, sibling
+from backlens.io.schema import decode_state
+from backlens.io.shards import (
+    DTYPES,
+    ITEMSIZE,
+    ShardReader,
+    ShardWriter,
+    TensorEntry,
+    hash_file,
+    read_header,
+)
 
 # -- writing -------------------------------------------------------------------------
 
-class _WriterRefs(manifest_io.Refs):
-    """Tensors go into a fresh shard writer (deduplicated by content)."""
 
-    def __init__(self, writer: ShardWriter):
-        self.writer = writer
-
-    def tensor(self, tensor: torch.Tensor) -> str:
-        return self.writer.add(tensor)
-
-
-class _StreamRefs(_WriterRefs):
-    """A ``to_disk`` capture's call gradients are already in its shards: refer to them."""
-
-    def __init__(self, writer: ShardWriter, capture: Any):
-        super().__init__(writer)
-        # The backward journal's entries hold the store's handles (tensor names).
-        self.entries = capture._backward.calls
-
-    def call_side(self, position: int, side: str, tensors: tuple | None) -> Any:
-        handle = getattr(self.entries[position], side)
-        if handle is None:
-            return None
-        names = [item if item is None or isinstance(item, str) else self.tensor(item) for item in handle]
-        return manifest_io.side_json(names)
-
-
-def _tensor_section(writers: list[ShardWriter]) -> dict[str, Any]:
-    files: dict[str, Any] = {}
-    index: dict[str, Any] = {}
-    for writer in writers:
-        files.update(writer.files)
-        index.update({name: entry.to_json() for name, entry in writer.index.items()})
-    return {"files": files, "index": index}
-
-
-def save(capture: Any, path: str | os.PathLike | None = None, *, overwrite: bool = False) -> Path:
-    """Write ``capture`` as a bundle at ``path``; returns the bundle's path.
+def save_state(state: CaptureState, path: str | os.PathLike | None = None, *, overwrite: bool = False) -> Path:
+    """Write ``state`` as a bundle at ``path``; returns the bundle's path.
 
     For a ``storage=bl.to_disk(dir)`` capture, ``path`` may be left out (or be
     ``dir``): the manifest is then written into ``dir`` beside the shards
     already there, which makes it a bundle.
     """
-    store = getattr(capture, "_store", None)
+    store = state.store
     if isinstance(store, DiskStore) and (path is None or _same_path(path, store.path)):
-        finish_stream(capture, store)
+        store.finish(state)
         return store.path
     if path is None:
         raise BundleError(
@@ -87,23 +67,19 @@ def save(capture: Any, path: str | os.PathLike | None = None, *, overwrite: bool
         )
     target = Path(path)
     check_target(target, overwrite)
-    parent = target.parent
     try:
-        parent.mkdir(parents=True, exist_ok=True)
-        temporary = parent / f".{target.name}.partial-{uuid.uuid4().hex[:12]}"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        temporary = sibling(target, "partial", uuid.uuid4().hex[:12])
         temporary.mkdir()
     except OSError as exc:
         raise BundleError(f"{target}: cannot write here ({exc.strerror or exc}).",
                           code="bundle_write_failed", remedy="Choose a writable location.") from exc
     try:
-        if isinstance(capture, LoadedCapture):
-            _copy_loaded(capture, temporary)
-        else:
-            writer = ShardWriter(temporary, "tensors")
-            body = manifest_io.build(capture, _WriterRefs(writer))
-            writer.flush()
-            body["tensors"] = _tensor_section([writer])
-            manifest_io.write(temporary, body)
+        writer = ShardWriter(temporary, "tensors")
+        body = manifest_io.build(state, manifest_io.Refs(writer, store))
+        writer.flush()
+        body["tensors"] = manifest_io.tensor_section([writer])
+        manifest_io.write(temporary, body)
         _move_into_place(temporary, target, overwrite)
     except BaseException as exc:
         shutil.rmtree(temporary, ignore_errors=True)
@@ -113,28 +89,6 @@ def save(capture: Any, path: str | os.PathLike | None = None, *, overwrite: bool
                               remedy="Choose a writable location with enough free space.") from exc
         raise
     return target
-
-
-def finish_stream(capture: Any, store: DiskStore) -> None:
-    """Write the manifest of a ``to_disk`` capture into its own directory."""
-    directory = store.path
-    store.flush()
-    store.finished_manifests += 1
-    extras = ShardWriter(directory, f"extra{store.finished_manifests}")
-    try:
-        body = manifest_io.build(capture, _StreamRefs(extras, capture))
-        extras.flush()
-        body["tensors"] = _tensor_section([store.writer, extras])
-        manifest_io.write(directory, body)
-    except OSError as exc:
-        raise BundleError(f"{directory}: writing the bundle manifest failed ({exc.strerror or exc}).",
-                          code="bundle_write_failed",
-                          remedy="Free disk space or choose a writable location.") from exc
-    referenced = set(body["tensors"]["files"])
-    for leftover in directory.glob("extra*-*.safetensors"):
-        if leftover.name not in referenced:  # the extras of an earlier save
-            leftover.unlink(missing_ok=True)
-    (directory / STREAM_MARKER).unlink(missing_ok=True)
 
 
 def _same_path(a: Any, b: Path) -> bool:
@@ -147,7 +101,7 @@ def _move_into_place(temporary: Path, target: Path, overwrite: bool) -> None:
         if not overwrite:  # appeared while we were writing
             raise BundleError(f"{target}: already exists.", code="bundle_exists",
                               remedy="Choose a new path, or pass overwrite=True.")
-        old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:12]}"
+        old = sibling(target, "old", uuid.uuid4().hex[:12])
         os.rename(target, old)
     try:
         os.rename(temporary, target)
@@ -159,21 +113,68 @@ def _move_into_place(temporary: Path, target: Path, overwrite: bool) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _copy_loaded(loaded: LoadedCapture, temporary: Path) -> None:
-    for name in loaded._manifest["tensors"]["files"]:
-        shutil.copyfile(loaded.path / name, temporary / name)
-    body = {k: v for k, v in loaded._manifest.items() if k != "checksum"}
-    manifest_io.write(temporary, body)
-
-
 # -- reading -------------------------------------------------------------------------
 
-def load(path: str | os.PathLike, *, verify: bool = True) -> LoadedCapture:
-    """Read the bundle at ``path`` as a read-only capture.
+@dataclass(frozen=True)
+class BundleInfo:
+    """Where a loaded capture came from."""
 
-    ``verify=False`` skips hashing the shards (faster for very large bundles);
-    sizes and headers are still checked.
+    path: Path
+    format_version: int
+    backlens_version: str | None
+    torch_version: str | None
+
+
+class BundleTensors:
+    """A loaded state's tensor store: tensor names -> tensors, mapped lazily from the shards.
+
+    A handle is a tuple of names (None for a gradient that was not there). One
+    name gives one tensor object, so tensors shared live stay shared.
     """
+
+    def __init__(self, directory: Path, entries: dict[str, TensorEntry]):
+        self.entries = entries
+        self._reader = ShardReader(directory)
+        self._cache: dict[str, torch.Tensor] = {}
+
+    def known(self, name: str) -> bool:
+        return name in self.entries
+
+    def tensor(self, name: str) -> torch.Tensor:
+        found = self._cache.get(name)
+        if found is None:
+            entry = self.entries.get(name)
+            if entry is None:
+                raise ValueError(f"tensor {name!r} is not in the tensor index")
+            found = self._cache[name] = self._reader.tensor(entry)
+        return found
+
+    def load(self, handle: tuple) -> tuple:
+        return tuple(None if name is None else self.tensor(name) for name in handle)
+
+    def keep(self, tensors: tuple, name: str) -> Any:
+        raise BundleError("A loaded bundle is read-only.", code="read_only_bundle")
+
+    def close(self) -> None:
+        """Nothing to release: tensors handed out keep their own maps."""
+
+
+class _Sections:
+    """What the schema reads tensors and section sizes from."""
+
+    def __init__(self, manifest: dict[str, Any], tensors: BundleTensors):
+        self.tensor, self.known = tensors.tensor, tensors.known
+        self._sizes = {name: len(value) for name, value in manifest.items() if isinstance(value, list)}
+        sources = manifest.get("sources")
+        names = sources.get("names") if isinstance(sources, dict) else None
+        self._sizes["sources"] = len(names) if isinstance(names, list) else 0
+
+    def size(self, section: str) -> int:
+        return self._sizes.get(section, 0)
+
+
+def read_bundle(path: str | os.PathLike, *, verify: bool = True) -> tuple[CaptureState, BundleInfo]:
+    """Read the bundle at ``path`` as a read-only capture state (see the module docstring)."""
     root = Path(path)
     if not root.exists():
         raise BundleError(f"{root}: no such bundle (the path does not exist).", code="bundle_missing",
@@ -193,11 +194,16 @@ def load(path: str | os.PathLike, *, verify: bool = True) -> LoadedCapture:
         raise BundleError(f"{manifest_path}: missing: {root} is not a backlens bundle.",
                           code="bundle_not_a_bundle",
                           remedy="Point bl.load at a directory cap.save(path) wrote.")
-    if derived_bundle.is_derived(root):
-        return derived_bundle.load(root, verify=verify)
     manifest = manifest_io.read(manifest_path)
-    entries = _check_tensors(root, manifest["tensors"], verify)
-    return LoadedCapture(root, manifest, TensorIndex(root, entries))
+    tensors = BundleTensors(root, _check_tensors(root, manifest["tensors"], verify))
+    try:
+        state = decode_state(manifest, _Sections(manifest, tensors), tensors)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise BundleError(f"{manifest_path}: {exc}.", code="bundle_corrupt",
+                          remedy="The bundle is damaged or not of this format; save it again.") from exc
+    info = BundleInfo(root, manifest["format_version"], manifest.get("backlens_version"),
+                      manifest.get("torch_version"))
+    return state, info
 
 
 def _check_tensors(root: Path, section: Any, verify: bool) -> dict[str, TensorEntry]:

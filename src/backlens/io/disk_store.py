@@ -26,10 +26,9 @@ import torch
 
 from backlens.capture.store import MemoryStore
 from backlens.errors import BundleError, UnsupportedInputError
+from backlens.io import manifest as manifest_io
+from backlens.io.names import EXTRA_SHARDS, MANIFEST, STREAM_MARKER
 from backlens.io.shards import DEFAULT_SHARD_BYTES, ShardReader, ShardWriter, storable
-
-STREAM_MARKER = ".backlens-stream"
-MANIFEST = "manifest.json"
 
 
 @dataclass(frozen=True)
@@ -156,11 +155,26 @@ class DiskStore:
     def flush(self) -> None:
         self.writer.flush()
 
-    def finish(self, capture: Any) -> None:
-        """Write the manifest that makes the directory a loadable bundle."""
-        from backlens.io.bundle import finish_stream
-
-        finish_stream(capture, self)
+    def finish(self, state: Any) -> None:
+        """Write the manifest that makes the directory a loadable bundle (``state``: the capture's)."""
+        directory = self.path
+        self.flush()
+        self.finished_manifests += 1
+        extras = ShardWriter(directory, f"extra{self.finished_manifests}")
+        try:
+            body = manifest_io.build(state, manifest_io.Refs(extras, self, streamed=True))
+            extras.flush()
+            body["tensors"] = manifest_io.tensor_section([self.writer, extras])
+            manifest_io.write(directory, body)
+        except OSError as exc:
+            raise BundleError(f"{directory}: writing the bundle manifest failed ({exc.strerror or exc}).",
+                              code="bundle_write_failed",
+                              remedy="Free disk space or choose a writable location.") from exc
+        referenced = set(body["tensors"]["files"])
+        for leftover in directory.glob(EXTRA_SHARDS):
+            if leftover.name not in referenced:  # the extras of an earlier save
+                leftover.unlink(missing_ok=True)
+        (directory / STREAM_MARKER).unlink(missing_ok=True)
 
     def close(self) -> None:
         self.writer.flush()

@@ -1,31 +1,27 @@
-"""The bundle manifest: every record of a capture as JSON, and reading it back safely.
+"""The bundle manifest: a capture state as JSON, sealed with a checksum, and reading it back safely.
 
-Layout (``FORMAT_VERSION`` 1)::
+Layout (``FORMAT_VERSION`` 2; the sections and their fields are io/schema.py's)::
 
     format, format_version, backlens_version, torch_version, created
-    capture        flags of the capture (inference_only, backward_requested, ...)
-    ops, modules, params, inputs, grad_fns, passes, calls
-                   one object per record: every dataclass field not starting
-                   with "_" (see docs/records.md), relations by position
-                   (a node's "op", a call's "grad_fn"), values through io/codec.py
-    grad_slots     where each op / module call / parameter / input reads its
-                   gradients: (node, output_nr) into the calls' grad_outputs,
-                   plus gradients torch.autograd.grad returned for inputs
-    cost           the capture's cost journal (``cap._cost.to_dict()``: forward
-                   FLOPs per op and one dict per counted pass: executed and
-                   unattributed FLOPs, recompute, ATen calls), or null
-    tensors        files: {name: {bytes, sha256}}; index: {tensor name:
-                   {file, dtype, shape, offsets, sha256}}
-    checksum       sha256 of the canonical JSON of everything above
+    capture, sources, module_types        flags of the capture; the tensors that existed
+                                          before the forward; module types by address
+    ops, modules, params, inputs,         one object per entry of the state, with exactly
+    grad_fns, calls, passes               the fields its schema names; relations by position
+    grad_slots                            which node output holds each op's, module call's,
+                                          parameter's and input's gradient
+    forward_edits                         the activation edits applied in the forward
+    cost                                  the cost journal (FLOPs per op and per pass), or null
+    tensors                               files: {name: {bytes, sha256}}; index: {tensor name:
+                                          {file, dtype, shape, offsets, sha256}}
+    checksum                              sha256 of the canonical JSON of everything above
 
-Call FLOPs (``flops``, ``recompute_flops``) are fields of each call record.
-New record fields round-trip without a format change; a change that older
-readers would misread bumps ``FORMAT_VERSION`` and adds a migration.
+A change that a reader of this version would misread bumps ``FORMAT_VERSION``
+and adds a migration from the version before (``MIGRATIONS``); a bundle of a
+version with no migration is refused with the version it needs.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import hashlib
 import json
@@ -38,118 +34,57 @@ import torch
 
 from backlens._version import __version__
 from backlens.errors import BundleError
-from backlens.io.codec import encode
+from backlens.io.names import MANIFEST
+from backlens.io.schema import SECTIONS, encode_state
+from backlens.io.shards import ShardWriter
 
 FORMAT = "backlens.bundle"
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
+FORMAT_VERSION = 2
+HEADER = ("format", "format_version", "backlens_version", "torch_version", "created")
 
 # Upgrades from an older format version to the next one: version -> fn(manifest) -> manifest.
+# Version 1 (records by dataclass field, values tagged by type) has none: it is refused.
 MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
 
 
 class Refs:
-    """How a manifest refers to tensors: ``tensor(t)`` stores one and returns its name;
-    ``call_side(position, side, tensors)`` does a call's saved side (None when not saved)
-    and returns it as codec JSON."""
+    """How a manifest refers to tensors: each goes into ``writer`` (deduplicated by
+    content) and is named there. Call gradients are read through ``store``; those a
+    ``to_disk`` capture streamed into this very directory (``streamed``) are named as they are."""
+
+    def __init__(self, writer: ShardWriter, store: Any, streamed: bool = False):
+        self.writer = writer
+        self.store = store
+        self.streamed = streamed
 
     def tensor(self, tensor: torch.Tensor) -> str:
-        raise NotImplementedError
+        return self.writer.add(tensor)
 
-    def call_side(self, position: int, side: str, tensors: tuple | None) -> Any:
-        if tensors is None:
-            return None
-        return side_json([None if t is None else self.tensor(t) for t in tensors])
-
-
-def side_json(names: list[str | None]) -> dict[str, Any]:
-    """A call's saved side as codec JSON: a tuple of tensor refs and Nones."""
-    return {"$tuple": [None if n is None else {"$tensor": n} for n in names]}
+    def side(self, handle: tuple) -> list[str | None]:
+        if self.streamed:
+            return [item if item is None or isinstance(item, str) else self.tensor(item) for item in handle]
+        return [None if t is None else self.tensor(t) for t in self.store.load(handle)]
 
 
-def record_fields(record: Any, refs: Refs, skip: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Every public dataclass field of ``record`` except ``skip``, encoded."""
-    return {
-        f.name: encode(getattr(record, f.name), refs.tensor)
-        for f in dataclasses.fields(record)
-        if not f.name.startswith("_") and f.name != "kind" and f.name not in skip
-    }
+def tensor_section(writers: list[ShardWriter]) -> dict[str, Any]:
+    files: dict[str, Any] = {}
+    index: dict[str, Any] = {}
+    for writer in writers:
+        files.update(writer.files)
+        index.update({name: entry.to_json() for name, entry in writer.index.items()})
+    return {"files": files, "index": index}
 
 
-def build(capture: Any, refs: Refs) -> dict[str, Any]:
-    """The manifest body (no ``tensors``/``checksum`` yet) of a live capture."""
-    grad_fns = list(capture.grad_fns)  # discovers the forward graph first
-    passes = list(capture.passes)      # closes drained implicit passes
-    calls = list(capture.grad_fn_calls)
-    ops, modules = list(capture.ops), list(capture.modules)
-    params, inputs = list(capture.params), list(capture.inputs)
-    encoded_calls = []
-    for position, call in enumerate(calls):
-        data = record_fields(call, refs, skip=("grad_fn", "grad_inputs", "grad_outputs"))
-        data["grad_fn"] = call.grad_fn.index
-        data["grad_inputs"] = refs.call_side(position, "grad_inputs", call.grad_inputs)
-        data["grad_outputs"] = refs.call_side(position, "grad_outputs", call.grad_outputs)
-        encoded_calls.append(data)
-    encoded_params = []
-    for param in params:
-        data = record_fields(param, refs)
-        live = param.grad
-        data["live_grad"] = None if live is None else refs.tensor(live)
-        encoded_params.append(data)
-    encoded_nodes = []
-    for node in grad_fns:
-        data = record_fields(node, refs, skip=("op",))
-        data["op"] = node.op.index if node.op is not None else None
-        encoded_nodes.append(data)
+def build(state: Any, refs: Any) -> dict[str, Any]:
+    """The manifest body of ``state`` (no ``tensors``/``checksum`` yet)."""
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "backlens_version": __version__,
         "torch_version": torch.__version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "capture": {
-            "inference_only": bool(capture.inference_only),
-            "backward_requested": bool(capture.backward_requested),
-            "flops_enabled": bool(capture.flops_enabled),
-            "inference_cause": getattr(capture, "_inference_cause", None),
-        },
-        "ops": [record_fields(op, refs) for op in ops],
-        "modules": [record_fields(m, refs) for m in modules],
-        "params": encoded_params,
-        "inputs": [record_fields(i, refs) for i in inputs],
-        "grad_fns": encoded_nodes,
-        "passes": [record_fields(p, refs) for p in passes],
-        "forward_edits": [encode(a, refs.tensor) for a in getattr(capture, "forward_edits", [])],
-        "calls": encoded_calls,
-        "grad_slots": grad_slots(capture, refs),
-        "cost": cost_section(capture, refs),
+        **encode_state(state, refs),
     }
-
-
-def grad_slots(capture: Any, refs: Refs) -> dict[str, Any]:
-    """Where records read gradients from, taken from the live capture's journal.
-
-    Reads the capture's core (its journal and node maps): they are the one
-    source of truth for which node output each record's gradient is.
-    """
-    core = capture._core
-    journal = core.journal
-    return {
-        "ops": [[op, node, journal.ops[op].output_nr]
-                for op, node in sorted(core.output_node_of_op.items())],
-        "modules": [[call, node, journal.module_calls[call].output_nr]
-                    for call, node in sorted(core.output_node_of_module.items())],
-        "params": [[name, node] for name, node in core.node_of_param.items()],
-        "inputs": [[i, node, nr] for i, (node, nr) in sorted(core.node_of_input.items())],
-        "extra_input_grads": [[i, refs.tensor(g.tensor), g.pass_number]
-                              for i, g in core.extra_input_grads],
-    }
-
-
-def cost_section(capture: Any, refs: Refs) -> Any:
-    """The cost journal as data (None when the capture keeps none)."""
-    journal = getattr(capture, "_cost", None)
-    return None if journal is None else encode(journal.to_dict(), refs.tensor)
 
 
 def checksum(body: dict[str, Any]) -> str:
@@ -186,10 +121,10 @@ def read(path: Path) -> dict[str, Any]:
     version = manifest.get("format_version")
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
         raise BundleError(f"{path}: bad format_version {version!r}.", code="bundle_corrupt")
+    written_by = manifest.get("backlens_version", "?")
     if version > FORMAT_VERSION:
         raise BundleError(
-            f"{path}: written in bundle format version {version} "
-            f"(by backlens {manifest.get('backlens_version', '?')}); this backlens "
+            f"{path}: written in bundle format version {version} (by backlens {written_by}); this backlens "
             f"({__version__}) reads versions up to {FORMAT_VERSION}.",
             code="bundle_too_new",
             remedy="Upgrade backlens to load this bundle.",
@@ -201,17 +136,22 @@ def read(path: Path) -> dict[str, Any]:
         raise BundleError(f"{path}: checksum mismatch: the manifest was changed or corrupted.",
                           code="bundle_corrupt")
     while manifest["format_version"] < FORMAT_VERSION:
-        step = MIGRATIONS.get(manifest["format_version"])
-        if step is None:
-            raise BundleError(f"{path}: no migration from format version {manifest['format_version']}.",
-                              code="bundle_too_old")
         before = manifest["format_version"]
+        step = MIGRATIONS.get(before)
+        if step is None:
+            raise BundleError(
+                f"{path}: written in bundle format version {before} (by backlens {written_by}); this backlens "
+                f"({__version__}) reads format version {FORMAT_VERSION} and cannot migrate version {before}.",
+                code="bundle_too_old",
+                remedy=f"Load it with a backlens that reads format version {before} (backlens {written_by} "
+                "wrote it) and capture again with this one.",
+            )
         manifest = step(dict(manifest))
         if manifest.get("format_version") != before + 1:
-            raise BundleError(f"{path}: migration from format version {before} failed.",
-                              code="bundle_too_old")
-    for key in ("capture", "ops", "modules", "params", "inputs", "grad_fns", "passes", "calls",
-                "grad_slots", "tensors"):
-        if key not in manifest:
-            raise BundleError(f"{path}: the manifest has no {key!r} section.", code="bundle_corrupt")
+            raise BundleError(f"{path}: migration from format version {before} failed.", code="bundle_too_old")
+    expected = {*HEADER, *SECTIONS, "tensors"}
+    if manifest.keys() != expected:
+        unknown, missing = sorted(set(manifest) - expected), sorted(expected - set(manifest))
+        raise BundleError(f"{path}: the manifest's sections differ from format version {FORMAT_VERSION}'s "
+                          f"(unknown: {unknown}, missing: {missing}).", code="bundle_corrupt")
     return manifest

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from backlens.errors import BundleError
+from backlens.io.names import shard_file
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -163,7 +164,7 @@ class ShardWriter:
         if not self._pending:
             return
         self._shard += 1
-        file_name = f"{self.prefix}-{self._shard:05d}.safetensors"
+        file_name = shard_file(self.prefix, self._shard)
         path = self.directory / file_name
         index = self.index
         pending = sorted(self._pending, key=lambda item: -ITEMSIZE[index[item[0]].dtype])

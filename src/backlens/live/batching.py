@@ -13,6 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from backlens._nested import first_tensor
 from backlens.errors import UnsupportedInputError
 
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
@@ -37,7 +38,7 @@ class ConcatBatcher:
     """The default batcher: ``torch.cat`` along dim 0, recursively."""
 
     def size(self, *args: Any, **kwargs: Any) -> int:
-        tensor = _first_tensor((args, kwargs))
+        tensor = first_tensor((args, kwargs))
         if tensor is None or tensor.dim() == 0:
             raise UnsupportedInputError(
                 "an invoke's inputs hold no tensor with a batch dimension, so the default "
@@ -53,19 +54,6 @@ class ConcatBatcher:
         args = _combine([list(inv[0]) for inv in invokes], "positional inputs")
         kwargs = _combine([dict(inv[1]) for inv in invokes], "keyword inputs")
         return tuple(args), kwargs
-
-
-def _first_tensor(value: Any) -> torch.Tensor | None:
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, Mapping):
-        value = list(value.values())
-    if isinstance(value, (list, tuple)):
-        for item in value:
-            found = _first_tensor(item)
-            if found is not None:
-                return found
-    return None
 
 
 def _combine(values: list[Any], where: str) -> Any:

@@ -1,140 +1,190 @@
-"""Records of the backward: passes, autograd nodes, and each fire of a node."""
+"""Records of the backward: autograd nodes, each fire of a node, and passes.
+
+A pass's status, duration and errors, and a call's FLOPs, are written into the
+state's entries as the pass runs and closes; these records read them there.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from backlens.capture.views import NodeView, entry_field
 from backlens.errors import LabelNotFoundError
-from backlens.records.base import RecordList
-
-if TYPE_CHECKING:
-    from backlens.graph.engine import CallSite
-    from backlens.records.forward import OpRecord
+from backlens.graph.labels import call_label
+from backlens.records.base import Record, RecordList
 
 
-@dataclass(eq=False)
-class GradFnCall:
-    """One fire of one autograd node (``addmm_back_1_4:2``)."""
-
-    label: str
-    grad_fn: GradFn
-    index: int
-    pass_number: int
-    grad_inputs: tuple[torch.Tensor | None, ...] | None
-    grad_outputs: tuple[torch.Tensor | None, ...] | None
-    start: float | None
-    duration: float | None
-    flops: int | None = None
-    recompute_flops: int | None = None
-
-    def row(self) -> dict[str, Any]:
-        return {
-            "label": self.label,
-            "grad_fn": self.grad_fn.label,
-            "type": self.grad_fn.type,
-            "index": self.index,
-            "pass_number": self.pass_number,
-            "op": self.grad_fn.op.label if self.grad_fn.op is not None else None,
-            "module": self.grad_fn.module,
-            "start": self.start,
-            "duration": self.duration,
-            "flops": self.flops,
-            "recompute_flops": self.recompute_flops,
-            "saved_grad_inputs": self.grad_inputs is not None,
-            "saved_grad_outputs": self.grad_outputs is not None,
-        }
-
-
-CALL_COLUMNS = [
-    "label", "grad_fn", "type", "index", "pass_number", "op", "module", "start", "duration",
-    "flops", "recompute_flops", "saved_grad_inputs", "saved_grad_outputs",
-]
-
-
-class CallList(RecordList[GradFnCall]):
-    """Node calls; by position, by ``"label:k"``, or ``for_pass(k)``."""
-
-    kind = "grad_fn call"
-
-    def __init__(self, calls: list[GradFnCall]):
-        super().__init__(calls, lambda c: c.label, GradFnCall.row, CALL_COLUMNS)
-
-    def for_pass(self, k: int) -> list[GradFnCall]:
-        return [c for c in self._records if c.pass_number == k]
-
-
-@dataclass(eq=False)
-class GradFn:
+class GradFn(Record, NodeView):
     """One distinct autograd node (``addmm_back_1_4``)."""
 
-    index: int
-    label: str
-    type: str
-    op: OpRecord | None
-    module: str | None
-    module_source: str | None
-    order: int | None
-    is_custom: bool
-    param: str | None
-    sequence_nr: int | None
-    _source: Any = field(repr=False, default=None)
-    kind: str = field(default="grad_fn", repr=False)
+    __slots__ = ()
+    noun = "grad_fn"
+    FIELDS = ("index", "label", "type", "op", "module", "module_source", "order", "is_custom", "param",
+              "sequence_nr")
+    COLUMNS = ("index", "label", "type", "op", "module", "module_source", "order", "is_custom", "param",
+               "num_calls")
+
+    @staticmethod
+    def key_of(state: Any, at: int) -> str:
+        return state.nodes[at].label
 
     @property
     def calls(self) -> CallList:
-        return CallList(self._source._node_calls(self.index))
-
-    @property
-    def func(self) -> str | None:
-        return self.op.func if self.op is not None else None
+        """This node's calls: ``calls[0]``, ``calls.for_pass(k)``."""
+        return CallList(self._state, self._state.node_calls[self._at])
 
     def row(self) -> dict[str, Any]:
+        op = self.op
         return {
             "index": self.index,
             "label": self.label,
             "type": self.type,
-            "op": self.op.label if self.op is not None else None,
+            "op": op.label if op is not None else None,
             "module": self.module,
             "module_source": self.module_source,
             "order": self.order,
             "is_custom": self.is_custom,
             "param": self.param,
-            "num_calls": len(self._source._node_calls(self.index)),
+            "num_calls": len(self._state.node_calls[self._at]),
         }
 
 
-GRAD_FN_COLUMNS = [
-    "index", "label", "type", "op", "module", "module_source", "order", "is_custom", "param",
-    "num_calls",
-]
+class GradFnCall(Record):
+    """One fire of one autograd node (``addmm_back_1_4:2``)."""
+
+    __slots__ = ()
+    kind = "grad_fn_call"
+    noun = "grad_fn call"
+    FIELDS = ("label", "grad_fn", "index", "pass_number", "grad_inputs", "grad_outputs", "start", "duration",
+              "flops", "recompute_flops")
+    COLUMNS = ("label", "grad_fn", "type", "index", "pass_number", "op", "module", "start", "duration",
+               "flops", "recompute_flops", "saved_grad_inputs", "saved_grad_outputs")
+
+    @staticmethod
+    def key_of(state: Any, at: int) -> str:
+        entry = state.calls[at]
+        return call_label(state.nodes[entry.node].label, entry.ordinal)
+
+    @property
+    def _entry(self) -> Any:
+        return self._state.calls[self._at]
+
+    pass_number = entry_field("pass_number", "The 1-based number of the pass it fired in.")
+    index = entry_field("ordinal", "The 1-based fire number of its node (``:k`` in its label).")
+    flops = entry_field("flops", "FLOPs it ran, recompute included (None: not counted).")
+    recompute_flops = entry_field("recompute_flops", "FLOPs of checkpoint recomputation (None: unknown).")
+
+    @property
+    def label(self) -> str:
+        return self.key_of(self._state, self._at)
+
+    @property
+    def grad_fn(self) -> GradFn:
+        return self._related("grad_fn", self._entry.node)
+
+    @property
+    def grad_inputs(self) -> tuple[torch.Tensor | None, ...] | None:
+        """The gradients it sent on (w.r.t. its forward inputs), when kept."""
+        handle = self._entry.grad_inputs
+        return self._state.store.load(handle) if handle is not None else None
+
+    @property
+    def grad_outputs(self) -> tuple[torch.Tensor | None, ...] | None:
+        """The gradients that arrived at it (w.r.t. its forward outputs), when kept."""
+        handle = self._entry.grad_outputs
+        return self._state.store.load(handle) if handle is not None else None
+
+    @property
+    def start(self) -> float | None:
+        """Seconds from its pass's start to its own (None without timing)."""
+        entry = self._entry
+        if entry.start_ns is None:
+            return None
+        return (entry.start_ns - self._state.passes[entry.pass_number - 1].start_ns) / 1e9
+
+    @property
+    def duration(self) -> float | None:
+        """Seconds it ran, less backlens's own hook work (None without timing)."""
+        entry = self._entry
+        return (entry.end_ns - entry.start_ns - entry.hook_ns) / 1e9 if entry.start_ns is not None else None
+
+    def row(self) -> dict[str, Any]:
+        node = self.grad_fn
+        op = node.op
+        return {
+            "label": self.label,
+            "grad_fn": node.label,
+            "type": node.type,
+            "index": self.index,
+            "pass_number": self.pass_number,
+            "op": op.label if op is not None else None,
+            "module": node.module,
+            "start": self.start,
+            "duration": self.duration,
+            "flops": self.flops,
+            "recompute_flops": self.recompute_flops,
+            "saved_grad_inputs": self._entry.grad_inputs is not None,
+            "saved_grad_outputs": self._entry.grad_outputs is not None,
+        }
 
 
-@dataclass(eq=False)
-class BackwardPass:
+class CallList(RecordList[GradFnCall]):
+    """Node calls; by position, by ``"label:k"``, or ``for_pass(k)``."""
+
+    def __init__(self, state: Any, positions: Any):
+        super().__init__(state, GradFnCall, positions)
+
+    def for_pass(self, k: int) -> list[GradFnCall]:
+        calls = self._state.calls
+        return [self._record(p) for p in self._positions if calls[p].pass_number == k]
+
+
+class BackwardPass(Record):
     """One backward engine run over the capture's graph."""
 
-    number: int
-    trigger: str
-    call_site: CallSite | None
-    retain_graph: bool | None
-    create_graph: bool
-    save_grads_policy: Any
-    status: str = "running"
-    error: BaseException | str | None = None
-    duration: float | None = None
-    orders: list[int] = field(default_factory=list)
-    order_coverage: float | None = None
-    edits: list[Any] = field(default_factory=list)
-    _source: Any = field(repr=False, default=None)
+    __slots__ = ()
+    kind = "backward_pass"
+    noun = "backward pass"
+    FIELDS = ("number", "trigger", "call_site", "retain_graph", "create_graph", "save_grads_policy", "status",
+              "error", "duration", "orders", "order_coverage", "edits")
+    COLUMNS = ("number", "trigger", "call_site", "retain_graph", "create_graph", "orders", "order_coverage",
+               "save_grads_policy", "duration", "num_calls", "num_edits", "status", "error")
+
+    @staticmethod
+    def key_of(state: Any, at: int) -> str:
+        return str(at + 1)
+
+    @property
+    def _entry(self) -> Any:
+        return self._state.passes[self._at]
+
+    number = entry_field("number", "1-based pass number.")
+    trigger = entry_field("trigger", "What started it: ``Tensor.backward``, ``cap.backward``, ``implicit``...")
+    call_site = entry_field("call_site", "The user's line that started it (None for implicit passes).")
+    retain_graph = entry_field("retain_graph")
+    create_graph = entry_field("create_graph")
+    save_grads_policy = entry_field("policy", "The save policy it ran under.")
+    status = entry_field("status", "``running``, ``ok`` or ``failed``.")
+    error = entry_field("error", "The exception a failed pass raised (a loaded one: its type name and message).")
+    orders = entry_field("orders", "The node orders that ran (``[1]``; ``[1, 2]`` with second-order nodes).")
+    order_coverage = entry_field("order_coverage", "The resolved fraction of the nodes the pass created.")
+    edits = entry_field("edits", "Every gradient edit applied in it, with norms before and after.")
+
+    @property
+    def duration(self) -> float | None:
+        """Seconds from its start to its end (None while it runs)."""
+        entry = self._entry
+        return (entry.end_ns - entry.start_ns) / 1e9 if entry.end_ns is not None else None
 
     @property
     def calls(self) -> list[GradFnCall]:
-        return self._source._pass_calls(self.number)
+        view = self._state.view
+        return [view(GradFnCall, i) for i in self._entry.calls]
 
     def row(self) -> dict[str, Any]:
+        error = self.error
         return {
             "number": self.number,
             "trigger": self.trigger,
@@ -145,32 +195,23 @@ class BackwardPass:
             "order_coverage": self.order_coverage,
             "save_grads_policy": repr(self.save_grads_policy),
             "duration": self.duration,
-            "num_calls": len(self.calls),
+            "num_calls": len(self._entry.calls),
             "num_edits": len(self.edits),
             "status": self.status,
-            "error": None if self.error is None else str(self.error).splitlines()[0],
+            "error": None if error is None else (str(error).splitlines() or [""])[0],
         }
-
-
-PASS_COLUMNS = [
-    "number", "trigger", "call_site", "retain_graph", "create_graph", "orders", "order_coverage",
-    "save_grads_policy", "duration", "num_calls", "num_edits", "status", "error",
-]
 
 
 class PassList(RecordList[BackwardPass]):
     """Backward passes, 0-based by position; ``for_pass(k)`` by 1-based number."""
 
-    kind = "backward pass"
-
-    def __init__(self, passes: list[BackwardPass]):
-        super().__init__(passes, lambda p: str(p.number), BackwardPass.row, PASS_COLUMNS)
+    def __init__(self, state: Any, positions: Any):
+        super().__init__(state, BackwardPass, positions)
 
     def for_pass(self, k: int) -> BackwardPass:
-        for backward_pass in self._records:
-            if backward_pass.number == k:
-                return backward_pass
-        numbers = [p.number for p in self._records]
+        if isinstance(k, int) and k - 1 in self._positions:
+            return self._record(k - 1)
+        numbers = [p + 1 for p in self._positions]
         raise LabelNotFoundError(
             f"No backward pass number {k}; passes recorded: {numbers or 'none'}.",
             remedy="Pass numbers are 1-based; pick one from the message.",

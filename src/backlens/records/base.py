@@ -1,97 +1,105 @@
-"""Record lists: 0-based positions, lookup by label, and ``to_pandas()``."""
+"""Records and record lists: 0-based positions, lookup by label, and ``to_pandas()``.
+
+A record is a view of one entry of a capture state (capture/views.py) with the
+public surface added: gradients, the records it relates to, a table row.
+``FIELDS`` names a record type's public fields, ``COLUMNS`` its table's.
+"""
 
 from __future__ import annotations
 
-import difflib
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Generic, TypeVar
+from collections.abc import Iterator, Sequence
+from typing import Any, ClassVar, Generic, TypeVar
 
-from backlens.errors import LabelNotFoundError
+from backlens.capture.views import View
+from backlens.graph.labels import label_not_found
 
-R = TypeVar("R")
+R = TypeVar("R", bound="Record")
 
-
-def close_labels(wanted: str, labels: Sequence[str], limit: int = 5) -> list[str]:
-    """Labels that look like ``wanted``, best first (prefix matches count too)."""
-    close = difflib.get_close_matches(wanted, labels, n=limit, cutoff=0.5)
-    if len(close) < limit:
-        stem = wanted.rsplit("_", 1)[0]
-        for label in labels:
-            if label.startswith(stem) and label not in close:
-                close.append(label)
-                if len(close) == limit:
-                    break
-    return close
+# kind -> record class: what a record reads a related entry as (View.VIEWS).
+RECORDS: dict[str, type[View]] = {}
 
 
-def label_not_found(kind: str, wanted: str, labels: Sequence[str]) -> LabelNotFoundError:
-    close = close_labels(wanted, labels)
-    hint = f" Close labels: {', '.join(close)}." if close else ""
-    return LabelNotFoundError(
-        f"No {kind} labelled {wanted!r}.{hint}",
-        remedy=f"Use a label from .labels() of the {kind} list.",
-    )
+class Record(View):
+    """A view with the public surface; every subclass registers under its ``kind``."""
+
+    __slots__ = ()
+    VIEWS = RECORDS
+    noun: ClassVar[str]  # what a list of them calls one in messages
+    FIELDS: ClassVar[tuple[str, ...]]
+    COLUMNS: ClassVar[tuple[str, ...]]
+
+    def __init_subclass__(cls, **kwargs: Any):
+        super().__init_subclass__(**kwargs)
+        RECORDS[cls.kind] = cls
+
+    @staticmethod
+    def key_of(state: Any, at: int) -> str:
+        """The label a list finds entry ``at`` by (read from the entry, no record built)."""
+        raise NotImplementedError
+
+    def row(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.FIELDS[:3])
+        return f"{type(self).__name__}({shown})"
 
 
 class RecordList(Generic[R]):
-    """An immutable view over records, indexable by position or label.
+    """An immutable view over records of one type, indexable by position or label."""
 
-    ``label_of`` names the key a record is found by; ``row_of`` turns a record
-    into one ``to_pandas()`` row.
-    """
+    def __init__(self, state: Any, cls: type[R], positions: Sequence[int]):
+        self._state = state
+        self._cls = cls
+        self._positions = positions
+        self._by_label: dict[str, int] | None = None
 
-    kind = "record"
+    @property
+    def kind(self) -> str:
+        return self._cls.noun
 
-    def __init__(
-        self,
-        records: Sequence[R],
-        label_of: Callable[[R], str],
-        row_of: Callable[[R], dict[str, Any]],
-        columns: Sequence[str],
-    ):
-        self._records = records
-        self._label_of = label_of
-        self._row_of = row_of
-        self._columns = list(columns)
-        self._by_label: dict[str, R] | None = None
+    def _record(self, position: int) -> R:
+        return self._state.view(self._cls, position)
 
-    def _index(self) -> dict[str, R]:
-        if self._by_label is None or len(self._by_label) != len(self._records):
-            self._by_label = {self._label_of(r): r for r in self._records}
+    def _index(self) -> dict[str, int]:
+        if self._by_label is None:
+            key_of, state = self._cls.key_of, self._state
+            self._by_label = {key_of(state, p): p for p in self._positions}
         return self._by_label
 
     def __len__(self) -> int:
-        return len(self._records)
+        return len(self._positions)
 
     def __iter__(self) -> Iterator[R]:
-        return iter(list(self._records))
+        return iter([self._record(p) for p in self._positions])
 
     def __contains__(self, key: object) -> bool:
         if isinstance(key, str):
             return key in self._index()
-        return any(r is key for r in self._records)
+        return any(r is key for r in self)
 
     def __getitem__(self, key: int | str | slice) -> Any:
         if isinstance(key, str):
             found = self._index().get(key)
             if found is None:
                 raise label_not_found(self.kind, key, list(self._index()))
-            return found
+            return self._record(found)
         if isinstance(key, slice):
-            return list(self._records)[key]
-        return self._records[key]
+            return [self._record(p) for p in self._positions[key]]
+        return self._record(self._positions[key])
 
     def get(self, key: str, default: Any = None) -> Any:
-        return self._index().get(key, default)
+        found = self._index().get(key)
+        return default if found is None else self._record(found)
 
     def labels(self) -> list[str]:
-        return [self._label_of(r) for r in self._records]
+        return list(self._index())
 
     def to_pandas(self):
         """One row per record; columns are stable and documented in docs/records.md."""
         import pandas as pd
 
-        return pd.DataFrame([self._row_of(r) for r in self._records], columns=self._columns)
+        return pd.DataFrame([r.row() for r in self], columns=list(self._cls.COLUMNS))
 
     def __repr__(self) -> str:
         shown = ", ".join(self.labels()[:6])

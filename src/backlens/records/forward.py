@@ -1,51 +1,58 @@
 """Records of the forward: ops, module calls, parameters and model inputs.
 
-Records are plain objects. Gradients are read through the capture that made
-them (``_source``), from its backward journal, so there is one source of truth
-however many passes run.
+Each reads its entry in the capture state and its gradients from the state's
+call entries, so there is one source of truth however many passes run.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from backlens.capture.views import OpView, entry_field
+from backlens.graph.labels import owning_module
+from backlens.records.base import Record
 from backlens.records.grads import GradRecord, describe_grads, grad_for_pass, single_grad
 
-if TYPE_CHECKING:
-    from backlens.records.backward import GradFn
+
+def _grads(pairs: list[tuple[torch.Tensor, int]]) -> list[GradRecord]:
+    return [GradRecord(tensor, number) for tensor, number in pairs]
 
 
-@dataclass(eq=False)
-class OpRecord:
+def _dtype_text(dtype: torch.dtype | None) -> str | None:
+    return str(dtype).replace("torch.", "") if dtype is not None else None
+
+
+class OpRecord(Record, OpView):
     """One torch-level call in the forward (``linear_2``)."""
 
-    index: int
-    label: str
-    func: str
-    module: str | None
-    parents: list[str]
-    param_parents: list[str]
-    shape: tuple[int, ...] | None
-    dtype: torch.dtype | None
-    num_outputs: int
-    inplace: bool
-    activation: torch.Tensor | None
-    forward_flops: int | None
-    _source: Any = field(repr=False, default=None)
-    kind: str = field(default="op", repr=False)
+    __slots__ = ()
+    noun = "op"
+    FIELDS = ("index", "label", "func", "module", "parents", "param_parents", "shape", "dtype",
+              "num_outputs", "inplace", "activation", "forward_flops")
+    COLUMNS = ("index", "label", "func", "module", "parents", "param_parents", "shape", "dtype",
+               "num_outputs", "inplace", "grad_fn", "has_activation", "forward_flops", "grad", "num_saved_grads")
+
+    @staticmethod
+    def key_of(state: Any, at: int) -> str:
+        return state.journal.ops[at].label
 
     @property
-    def grad_fn(self) -> GradFn | None:
-        """The autograd node this op's output came from (None before discovery)."""
-        return self._source._op_grad_fn(self.index)
+    def forward_flops(self) -> int | None:
+        cost = self._state.cost
+        return cost.op_flops(self._at) if cost is not None else None
+
+    @property
+    def grad_fn(self) -> Any:
+        """The autograd node this op's output came from (None when it has none)."""
+        self._state.sync()
+        return self._related("grad_fn", self._state.node_of_op(self._at))
 
     @property
     def grads(self) -> list[GradRecord]:
         """Saved gradients of this op's output, one per pass that saved one."""
-        return self._source._op_grads(self.index)
+        return _grads(self._state.op_grads(self._at))
 
     @property
     def grad(self) -> torch.Tensor:
@@ -61,10 +68,10 @@ class OpRecord:
             "label": self.label,
             "func": self.func,
             "module": self.module,
-            "parents": list(self.parents),
-            "param_parents": list(self.param_parents),
+            "parents": self.parents,
+            "param_parents": self.param_parents,
             "shape": self.shape,
-            "dtype": str(self.dtype).replace("torch.", "") if self.dtype is not None else None,
+            "dtype": _dtype_text(self.dtype),
             "num_outputs": self.num_outputs,
             "inplace": self.inplace,
             "grad_fn": grad_fn.label if grad_fn is not None else None,
@@ -74,32 +81,60 @@ class OpRecord:
         }
 
 
-OP_COLUMNS = [
-    "index", "label", "func", "module", "parents", "param_parents", "shape", "dtype",
-    "num_outputs", "inplace", "grad_fn", "has_activation", "forward_flops", "grad", "num_saved_grads",
-]
-
-
-@dataclass(eq=False)
-class ModuleCallRecord:
+class ModuleCallRecord(Record):
     """One call of one module (``encoder.layer.0``, a repeat ``encoder.layer.0:2``)."""
 
-    index: int
-    address: str
-    module_address: str
-    module_type: str
-    call_number: int
-    parent: str | None
-    children: list[str]
-    ops: list[str]
-    output_shape: tuple[int, ...] | None
-    _source: Any = field(repr=False, default=None)
-    kind: str = field(default="module", repr=False)
+    __slots__ = ()
+    kind = "module"
+    noun = "module call"
+    FIELDS = ("index", "address", "module_address", "module_type", "call_number", "parent", "children",
+              "ops", "output_shape")
+    COLUMNS = ("index", "address", "module_address", "module_type", "call_number", "parent", "children",
+               "num_ops", "output_shape", "output_grad", "num_saved_grads")
+
+    @staticmethod
+    def key_of(state: Any, at: int) -> str:
+        return state.journal.module_address(at)
+
+    @property
+    def _entry(self) -> Any:
+        return self._state.journal.module_calls[self._at]
+
+    @property
+    def index(self) -> int:
+        return self._at
+
+    address = entry_field("address", "The call's address (``encoder.layer.0``, a repeat ``encoder.layer.0:2``).")
+    module_address = entry_field("module_address", "The module's address, without the call suffix.")
+    call_number = entry_field("call_number", "1 for the module's first call, 2 for its second...")
+    output_shape = entry_field("output_shape", "Shape of the call's first tensor output.")
+
+    @property
+    def module_type(self) -> str:
+        return self._state.journal.module_types.get(self._entry.module_address, "")
+
+    @property
+    def parent(self) -> str | None:
+        """Address of the enclosing call (None for the root)."""
+        return self._state.journal.module_address(self._entry.parent)
+
+    @property
+    def children(self) -> list[str]:
+        """Addresses of the calls made directly inside it."""
+        journal = self._state.journal
+        return [journal.module_address(c) for c in journal.children(self._at)]
+
+    @property
+    def ops(self) -> list[str]:
+        """Labels of the ops that ran inside the call (its subtree)."""
+        ops, entry = self._state.journal.ops, self._entry
+        end = entry.op_end if entry.op_end is not None else len(ops)
+        return [ops[i].label for i in range(entry.op_start, end)]
 
     @property
     def output_grads(self) -> list[GradRecord]:
         """Saved gradients of this call's output (its first tensor output)."""
-        return self._source._module_output_grads(self.index)
+        return _grads(self._state.module_grads(self._at))
 
     @property
     def output_grad(self) -> torch.Tensor:
@@ -117,7 +152,7 @@ class ModuleCallRecord:
             "module_type": self.module_type,
             "call_number": self.call_number,
             "parent": self.parent,
-            "children": list(self.children),
+            "children": self.children,
             "num_ops": len(self.ops),
             "output_shape": self.output_shape,
             "output_grad": grads["grad"],
@@ -125,64 +160,84 @@ class ModuleCallRecord:
         }
 
 
-MODULE_COLUMNS = [
-    "index", "address", "module_address", "module_type", "call_number", "parent", "children",
-    "num_ops", "output_shape", "output_grad", "num_saved_grads",
-]
-
-
-@dataclass(eq=False)
-class ParamRecord:
+class ParamRecord(Record):
     """One named parameter of the model."""
 
-    name: str
-    module: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    requires_grad: bool
-    _source: Any = field(repr=False, default=None)
-    kind: str = field(default="param", repr=False)
+    __slots__ = ()
+    kind = "param"
+    noun = "parameter"
+    FIELDS = ("name", "module", "shape", "dtype", "requires_grad")
+    COLUMNS = ("name", "module", "shape", "dtype", "requires_grad", "num_increments")
+
+    @staticmethod
+    def key_of(state: Any, at: int) -> str:
+        return state.params[at].name
+
+    @property
+    def _entry(self) -> Any:
+        return self._state.params[self._at]
+
+    name = entry_field("name", "The parameter's name (``encoder.layer.0.weight``).")
+    shape = entry_field("shape")
+    dtype = entry_field("dtype")
+    requires_grad = entry_field("requires_grad")
+
+    @property
+    def module(self) -> str:
+        """Address of the module that owns it."""
+        return owning_module(self.name)
 
     @property
     def grad(self) -> torch.Tensor | None:
         """The live accumulated ``param.grad`` (what an optimizer would read)."""
-        return self._source._param_live_grad(self.name)
+        return self._entry.grad
 
     @property
     def increments(self) -> list[GradRecord]:
         """What each pass added to ``param.grad`` (from its AccumulateGrad node)."""
-        return self._source._param_increments(self.name)
+        return _grads(self._state.param_increments(self.name))
 
     def row(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "module": self.module,
             "shape": self.shape,
-            "dtype": str(self.dtype).replace("torch.", ""),
+            "dtype": _dtype_text(self.dtype),
             "requires_grad": self.requires_grad,
             "num_increments": len(self.increments),
         }
 
 
-PARAM_COLUMNS = ["name", "module", "shape", "dtype", "requires_grad", "num_increments"]
+class InputRecord(Record):
+    """One tensor found in the model's inputs (``args[0]``, ``input_ids``)."""
 
+    __slots__ = ()
+    kind = "input"
+    noun = "input"
+    FIELDS = ("index", "name", "shape", "dtype", "requires_grad", "was_parameter")
+    COLUMNS = ("index", "name", "shape", "dtype", "requires_grad", "was_parameter", "grad", "num_saved_grads")
 
-@dataclass(eq=False)
-class InputRecord:
-    """One tensor found in the model's inputs (``args[0]``, ``kwargs['input_ids']``)."""
+    @staticmethod
+    def key_of(state: Any, at: int) -> str:
+        return state.inputs[at].name
 
-    index: int
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    requires_grad: bool
-    was_parameter: bool
-    _source: Any = field(repr=False, default=None)
-    kind: str = field(default="input", repr=False)
+    @property
+    def _entry(self) -> Any:
+        return self._state.inputs[self._at]
+
+    @property
+    def index(self) -> int:
+        return self._at
+
+    name = entry_field("name", "Where it was found (``args[0]``, ``input_ids``, ``args[1]['mask']``).")
+    shape = entry_field("shape")
+    dtype = entry_field("dtype")
+    requires_grad = entry_field("requires_grad")
+    was_parameter = entry_field("was_parameter", "Whether it is an ``nn.Parameter``.")
 
     @property
     def grads(self) -> list[GradRecord]:
-        return self._source._input_grads(self.index)
+        return _grads(self._state.input_grads(self._at))
 
     @property
     def grad(self) -> torch.Tensor:
@@ -198,14 +253,9 @@ class InputRecord:
             "index": self.index,
             "name": self.name,
             "shape": self.shape,
-            "dtype": str(self.dtype).replace("torch.", ""),
+            "dtype": _dtype_text(self.dtype),
             "requires_grad": self.requires_grad,
             "was_parameter": self.was_parameter,
             "grad": grads["grad"],
             "num_saved_grads": grads["num_saved_grads"],
         }
-
-
-INPUT_COLUMNS = [
-    "index", "name", "shape", "dtype", "requires_grad", "was_parameter", "grad", "num_saved_grads",
-]

@@ -80,10 +80,10 @@ class FailureContext:
     """What a capture knows about a failed pass (all optional)."""
 
     pass_number: int | None = None
-    failed_node: Any = None          # GradFn record of the node that was running
-    earlier_passes: list[Any] = field(default_factory=list)  # BackwardPass records before this one
-    ops: list[Any] = field(default_factory=list)             # OpRecord list
-    grad_fns: list[Any] = field(default_factory=list)        # GradFn records
+    failed_node: Any = None          # the node that was running (a GradFn or a NodeView)
+    earlier_passes: list[Any] = field(default_factory=list)  # passes before this one (records or entries)
+    ops: list[Any] = field(default_factory=list)             # the forward's ops (records or views)
+    grad_fns: list[Any] = field(default_factory=list)        # the capture's nodes (records or views)
     changed_saved: dict[str, str] = field(default_factory=dict)  # node label -> what changed
 
 

@@ -18,7 +18,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from backlens.cost.display import flops_text, seconds_text
+from backlens.report.display import flops_text, seconds_text
 from backlens.report.html import Bars, Gantt, GanttRow, Report, Table
 
 OUTSIDE_MODULES = "(no module)"

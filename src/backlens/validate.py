@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from backlens._nested import first_tensor
+from backlens.capturing import capture
 from backlens.errors import BacklensWarning
 from backlens.graph.labels import CALL_LABEL_PATTERN, NODE_LABEL_PATTERN
 
@@ -55,8 +57,6 @@ def validate(
     or a single tensor. ``loss_fn`` receives the model's own output object in
     both runs.
     """
-    from backlens.capture.capture import capture
-
     args, kwargs = _split_inputs(inputs)
     saved_grads = {name: p.grad for name, p in model.named_parameters()}
     children = [address for address, _ in model.named_modules() if address]
@@ -96,14 +96,6 @@ def _zero_grads(model: torch.nn.Module) -> None:
         p.grad = None
 
 
-def _first_tensor(value: Any) -> torch.Tensor | None:
-    from backlens.capture.forward import iter_tensors
-
-    for tensor in iter_tensors(value):
-        return tensor
-    return None
-
-
 def _stock_run(model, args, kwargs, loss_fn, children, seed):
     _zero_grads(model)
     module_grads: dict[str, list[torch.Tensor]] = {}
@@ -114,7 +106,7 @@ def _stock_run(model, args, kwargs, loss_fn, children, seed):
         def hook(module, _inputs, output):
             counts[address] = counts.get(address, 0) + 1
             call = address if counts[address] == 1 else f"{address}:{counts[address]}"
-            first = _first_tensor(output)
+            first = first_tensor(output)
             if first is not None and first.requires_grad:
                 first.register_hook(lambda g: module_grads.setdefault(call, []).append(g))
         return hook

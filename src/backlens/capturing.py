@@ -1,0 +1,385 @@
+"""``bl.capture`` and ``bl.load``: the :class:`Capture` a user holds over one capture state.
+
+:func:`capture` runs the forward under the forward recorder, fills a
+:class:`~backlens.capture.state.CaptureState` and arms its backward recorder
+with FLOP counting (cost/), failure explanations (report/) and the armed
+edits. :func:`load` reads a bundle into the same kind of state (io/). Either
+way the :class:`Capture` reads its records over that state.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from backlens import _torch
+from backlens._nested import iter_named_tensors, iter_tensors
+from backlens.capture.backward import BackwardRecorder
+from backlens.capture.forward import ActivationPolicy, ForwardRecorder
+from backlens.capture.interventions import ArmedEdits
+from backlens.capture.policy import GradPolicy
+from backlens.capture.state import CaptureState, InputEntry, ParamEntry
+from backlens.capture.unmatched import UnmatchedSelectorWarner, warn_if_no_activation_kept
+from backlens.cost.forward_count import FlopForwardRecorder
+from backlens.cost.journal import CostJournal
+from backlens.cost.observer import FlopObserver
+from backlens.derive.bundle import is_derived
+from backlens.derive.bundle import load as load_derived
+from backlens.derive.frameworks import refuse_other_framework
+from backlens.edits import as_interventions, when
+from backlens.errors import BackwardUnavailableError, CaptureClosedError, UnsupportedInputError
+from backlens.graph import engine
+from backlens.io.bundle import BundleInfo, read_bundle, save_state
+from backlens.io.disk_store import make_store
+from backlens.records.capture import CaptureRecords
+from backlens.report.failures import PassFailures
+
+
+def capture(
+    model: torch.nn.Module,
+    *args: Any,
+    save_grads: Any = False,
+    save_activations: Any = False,
+    storage: Any = None,
+    flops: bool = True,
+    timing: bool = True,
+    intervene: Any = (),
+    backward: bool = True,
+    detect_nonfinite: bool = False,
+    **kwargs: Any,
+) -> Capture:
+    """Run ``model(*args, **kwargs)`` once, record it, and arm backward capture.
+
+    The user's graph is not changed: no clone or identity nodes are inserted,
+    inputs are not copied, and gradients reach leaves and parameters exactly as
+    without backlens. See API.md §1 for every option.
+    """
+    if not isinstance(model, torch.nn.Module):
+        refuse_other_framework(model, args, kwargs, "bl.capture")
+        raise UnsupportedInputError(
+            f"bl.capture needs a torch.nn.Module, got {type(model).__name__}.",
+            code="not_a_module",
+            remedy="Wrap the callable in an nn.Module (its forward calls the function) and capture that.",
+        )
+    # The forward, recorded into the state's journal.
+    state = CaptureState(make_store(storage))
+    policy = GradPolicy(save_grads)
+    armed = ArmedEdits(as_interventions(intervene), state.forward_edits)
+    armed.check_backward(backward)
+    journal = state.journal
+    # flops=True: the recorder also counts or notes the ops that may carry FLOPs (no dispatch mode).
+    recorder = (FlopForwardRecorder if flops else ForwardRecorder)(
+        state, ActivationPolicy(save_activations), op_hook=armed.op_hook(state) if armed.activation else None
+    )
+    if armed.edits_module_outputs:
+        recorder.module_output_hook = armed.module_hook
+    addresses, module_types, params, buffers = _walk_model(model)
+    recorder.register_sources("param", params.items())
+    recorder.register_sources("buffer", buffers.items())
+    inputs = _named_inputs(args, kwargs)
+    input_sources = recorder.register_sources("input", inputs)
+    grad_enabled = torch.is_grad_enabled()
+    inference_mode = torch.is_inference_mode_enabled()
+
+    recorder.attach(addresses, module_types)
+    journal.seq_start = _torch.sequence_nr()
+    try:
+        with recorder:
+            output = model(*args, **kwargs)
+    finally:
+        recorder.detach()
+    journal.seq_end = _torch.sequence_nr()
+    recorder.finish()
+    warn_if_no_activation_kept(save_activations, journal)
+    if armed.any:
+        armed.check_sites(journal)
+
+    # What the capture knows beside the journal.
+    state.params = [ParamEntry(name, tuple(p.shape), p.dtype, p.requires_grad, weakref.ref(p))
+                    for name, p in params.items()]
+    state.inputs = [InputEntry(name, tuple(t.shape), t.dtype, t.requires_grad, isinstance(t, torch.nn.Parameter))
+                    for name, t in inputs]
+    outputs = list(iter_tensors(output))
+    state.inference_only = not any(t.requires_grad for t in outputs)
+    state.inference_cause = _inference_cause((grad_enabled, inference_mode), params, inputs)
+    state.backward_requested = backward
+    state.flops_enabled = flops
+    state.cost = CostJournal(pending_forward=recorder.forward_cost() if flops else None)
+
+    # The backward recorder: it discovers the graph when first asked, and records
+    # passes over it when one is wanted and possible.
+    if armed.gradient:
+        armed.find_gradient_sites(state)
+    live = backward and not state.inference_only
+    state.recorder = BackwardRecorder(
+        state,
+        [t.grad_fn for t in outputs if t.grad_fn is not None],
+        policy,
+        timing=timing,
+        input_tensors=[t for _name, t in inputs],
+        source_ids={id(p): i for i, p in enumerate(params.values())}
+        | {id(t): source for (_name, t), source in zip(inputs, input_sources)},
+        failures=PassFailures(),
+        observers=(([FlopObserver()] if flops else []) + [UnmatchedSelectorWarner()]) if live else [],
+        edits=armed if armed.gradient else None,
+        detect_nonfinite=detect_nonfinite,
+    )
+    if live:
+        state.recorder.arm()
+    else:
+        state.recorder.hooking = False  # no pass will open
+    options = dict(save_grads=save_grads, save_activations=save_activations, flops=flops, timing=timing,
+                   backward=backward, detect_nonfinite=detect_nonfinite)
+    return Capture(state, output=output, model=model, rerun=(args, kwargs, options, intervene))
+
+
+def load(path: str | os.PathLike, *, verify: bool = True) -> LoadedCapture:
+    """Read the bundle at ``path`` as a read-only capture (API.md §6, docs/bundles.md).
+
+    ``verify=False`` skips hashing the shards (faster for very large bundles);
+    sizes and headers are still checked.
+    """
+    if is_derived(path):
+        return load_derived(path, verify=verify)
+    state, info = read_bundle(path, verify=verify)
+    return LoadedCapture(state, info)
+
+
+def _walk_model(model: torch.nn.Module) -> tuple[dict[int, str], dict[str, str], dict, dict]:
+    """Module addresses (by module id) and types, parameters and buffers by name, in one walk.
+
+    The order and names are those of ``named_modules`` / ``named_parameters``
+    (pre-order, a shared module or tensor under its first name); an explicit
+    stack because the generator chain costs more than the rest of the setup.
+    """
+    addresses: dict[int, str] = {}
+    types: dict[str, str] = {}
+    params: dict[str, torch.nn.Parameter] = {}
+    buffers: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    pending = [("", model)]
+    while pending:
+        address, module = pending.pop()
+        if id(module) in addresses:
+            continue
+        addresses[id(module)] = address
+        types[address] = type(module).__name__
+        prefix = f"{address}." if address else ""
+        for name, param in module._parameters.items():
+            if param is not None and id(param) not in seen:
+                seen.add(id(param))
+                params[prefix + name] = param
+        for name, buffer in module._buffers.items():
+            if buffer is not None and id(buffer) not in seen:
+                seen.add(id(buffer))
+                buffers[prefix + name] = buffer
+        children = module._modules
+        if children:
+            pending.extend((prefix + name, child) for name, child in reversed(children.items()) if child is not None)
+    return addresses, types, params, buffers
+
+
+def _named_inputs(args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
+    named = []
+    for position, arg in enumerate(args):
+        named.extend(iter_named_tensors(arg, f"args[{position}]"))
+    for key, value in kwargs.items():
+        named.extend(iter_named_tensors(value, key))
+    seen: set[int] = set()
+    unique = []
+    for name, tensor in named:
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            unique.append((name, tensor))
+    return unique
+
+
+def _inference_cause(grad_mode: tuple[bool, bool], params: dict, inputs: list) -> str:
+    grad_enabled, inference_mode = grad_mode
+    if inference_mode:
+        return "under torch.inference_mode()"
+    if not grad_enabled:
+        return "under torch.no_grad() (grad mode disabled)"
+    if not any(p.requires_grad for p in params.values()) and not any(t.requires_grad for _n, t in inputs):
+        return "with no parameter or input that requires grad (a frozen model)"
+    return "without building an autograd graph to its output"
+
+
+class Capture(CaptureRecords):
+    """A recorded forward and the backward passes run over its graph.
+
+    Its records are views over its :class:`~backlens.capture.state.CaptureState`
+    and hold that state, never this object: dropping the capture frees it, its
+    graph and its saved gradients at once, and records you still hold read on
+    (the same objects as before).
+    """
+
+    def __init__(self, state: CaptureState, *, output: Any = None, model: torch.nn.Module | None = None,
+                 rerun: tuple | None = None):
+        self._state = state
+        self.output = output  # what the model returned (set it to None to let go of the graph)
+        self._model = model
+        self._rerun = rerun
+
+    @property
+    def inference_only(self) -> bool:
+        return self._state.inference_only
+
+    @property
+    def backward_requested(self) -> bool:
+        return self._state.backward_requested
+
+    @property
+    def flops_enabled(self) -> bool:
+        return self._state.flops_enabled
+
+    @property
+    def forward_edits(self) -> list:
+        """Every activation edit applied in this capture's forward, with norms before and after."""
+        return list(self._state.forward_edits)
+
+    # -- backward ------------------------------------------------------------
+    def backward(self, loss: torch.Tensor | None = None, *, save_grads: Any = None, **backward_kwargs: Any) -> None:
+        """Run ``torch.autograd.backward(loss)`` as one recorded pass.
+
+        ``save_grads`` widens or narrows the save policy for this pass only.
+        """
+        self._check_backward_available()
+        if loss is None:
+            loss = self._default_loss()
+        recorder = self._state.recorder
+        recorder.use_policy_for_next_pass(GradPolicy(save_grads) if save_grads is not None else None)
+        engine.set_trigger_override("cap.backward")
+        try:
+            torch.autograd.backward(loss, **backward_kwargs)
+        finally:
+            engine.set_trigger_override(None)
+            recorder.use_policy_for_next_pass(None)
+
+    def _check_backward_available(self) -> None:
+        state = self._state
+        if state.closed:
+            raise CaptureClosedError(
+                "This capture was closed; its hooks are gone, so it cannot record a backward.",
+            )
+        if not state.backward_requested:
+            raise BackwardUnavailableError(
+                "This capture was made with backward=False: it recorded the forward only "
+                "and installed no gradient hooks.",
+                code="backward_not_requested",
+                remedy="Capture again without backward=False.",
+            )
+        if state.inference_only:
+            raise BackwardUnavailableError(
+                f"This capture has no autograd graph: the forward ran {state.inference_cause}.",
+                code="inference_only",
+                remedy="Capture the forward with gradients enabled (outside torch.no_grad() / "
+                "torch.inference_mode(), with parameters or inputs that require grad).",
+            )
+
+    def _default_loss(self) -> torch.Tensor:
+        tensors = list(iter_tensors(self.output))
+        if len(tensors) == 1 and tensors[0].numel() == 1:
+            return tensors[0]
+        raise BackwardUnavailableError(
+            "cap.backward() needs a loss: the output is not a single scalar tensor.",
+            code="loss_required",
+            remedy="Pass the loss explicitly: cap.backward(loss).",
+        )
+
+    def do(self, site: Any, edit: Any, inputs: Any = None, loss: Any = None) -> Capture:
+        """Rerun the forward with ``edit`` armed at ``site`` (and the backward when ``loss`` is given).
+
+        Returns a new capture; this one is untouched. ``inputs`` replaces the
+        original positional inputs (a tuple, or one tensor); ``loss`` is
+        ``lambda cap: tensor``.
+        """
+        if self._rerun is None or self._model is None:
+            raise CaptureClosedError("This capture cannot rerun its forward (closed or loaded from disk).")
+        args, kwargs, options, intervene = self._rerun
+        if inputs is not None:
+            args = inputs if isinstance(inputs, tuple) else (inputs,)
+        armed = [*as_interventions(intervene), when(site, edit)]
+        new = capture(self._model, *args, intervene=armed, **options, **kwargs)
+        if loss is not None:
+            new.backward(loss(new))
+        return new
+
+    # -- lifetime ------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._state.closed
+
+    def disarm(self) -> None:
+        """Stop recording later passes; keep every record."""
+        if self._state.recorder is not None:
+            self._state.recorder.remove_hooks()
+
+    def save(self, path: str | os.PathLike | None = None, *, overwrite: bool = False) -> Path:
+        """Write this capture as a bundle directory (API.md §6, docs/bundles.md); returns its path."""
+        return save_state(self._state, path, overwrite=overwrite)
+
+    def close(self) -> None:
+        """Remove every hook and drop every autograd node this capture holds.
+
+        A ``storage=bl.to_disk(path)`` capture then writes its bundle manifest.
+        """
+        state = self._state
+        if state.closed:
+            return
+        state.close()
+        self._model = self._rerun = None
+        finish = getattr(state.store, "finish", None)
+        try:
+            if finish is not None:
+                finish(state)  # to_disk: write the bundle manifest (records outlive close)
+        finally:
+            state.store.close()
+
+    def __enter__(self) -> Capture:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = self._state
+        how = "closed" if state.closed else "inference-only" if state.inference_only else "armed"
+        return (f"<Capture {how}: {len(state.journal.ops)} ops, {len(state.journal.module_calls)} module calls, "
+                f"{len(state.passes)} backward passes>")
+
+
+class LoadedCapture(Capture):
+    """A capture read from a bundle: the same records over a read-only state.
+
+    There is no model and no graph: ``output`` is None and ``backward()``
+    raises. Tensors come back on the CPU, memory-mapped from the bundle's shards.
+    """
+
+    def __init__(self, state: CaptureState, info: BundleInfo):
+        super().__init__(state)
+        self.path = info.path
+        self.format_version = info.format_version
+        self.backlens_version = info.backlens_version
+        self.torch_version = info.torch_version
+
+    def backward(self, *args: Any, **kwargs: Any) -> None:
+        raise BackwardUnavailableError(
+            f"This capture was loaded from the bundle {str(self.path)!r}; it is read-only: "
+            "there is no model or autograd graph to run a backward over.",
+            code="read_only_bundle",
+            remedy="Capture the model again with bl.capture(...) to record new passes.",
+        )
+
+    def close(self) -> None:
+        """Mark closed; records stay readable (their tensors keep their own maps)."""
+        self._state.closed = True
+
+    def __repr__(self) -> str:
+        state = self._state
+        return (f"<LoadedCapture {str(self.path)!r}: {len(state.journal.ops)} ops, "
+                f"{len(state.journal.module_calls)} module calls, {len(state.passes)} backward passes>")

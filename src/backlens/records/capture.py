@@ -1,0 +1,74 @@
+"""Every record of one capture state, as the lists API.md names.
+
+:class:`CaptureRecords` is what a live capture and a loaded bundle share: both
+are a ``CaptureRecords`` over a :class:`~backlens.capture.state.CaptureState`,
+so they read exactly alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from backlens.graph.labels import label_not_found
+from backlens.records.backward import BackwardPass, CallList, GradFn, PassList
+from backlens.records.base import RecordList
+from backlens.records.forward import InputRecord, ModuleCallRecord, OpRecord, ParamRecord
+
+
+class CaptureRecords:
+    """The record lists of ``self._state``."""
+
+    _state: Any
+
+    @property
+    def ops(self) -> RecordList[OpRecord]:
+        """Forward ops, by position or label (``cap.ops["linear_2"]``)."""
+        return RecordList(self._state, OpRecord, range(len(self._state.journal.ops)))
+
+    @property
+    def modules(self) -> RecordList[ModuleCallRecord]:
+        """Module calls, by position or address (``"encoder.layer.0"``, ``"...:2"``)."""
+        return RecordList(self._state, ModuleCallRecord, range(len(self._state.journal.module_calls)))
+
+    @property
+    def params(self) -> RecordList[ParamRecord]:
+        return RecordList(self._state, ParamRecord, range(len(self._state.params)))
+
+    @property
+    def inputs(self) -> RecordList[InputRecord]:
+        return RecordList(self._state, InputRecord, range(len(self._state.inputs)))
+
+    @property
+    def grad_fns(self) -> RecordList[GradFn]:
+        """One record per distinct autograd node of the captured graph."""
+        self._state.sync()
+        return RecordList(self._state, GradFn, range(len(self._state.table)))
+
+    @property
+    def grad_fn_calls(self) -> CallList:
+        """Every fire of every node, by position or ``"label:k"``."""
+        self._state.sync()
+        return CallList(self._state, range(len(self._state.calls)))
+
+    @property
+    def passes(self) -> PassList:
+        self._state.sync()
+        return PassList(self._state, range(len(self._state.passes)))
+
+    @property
+    def last_pass(self) -> BackwardPass | None:
+        passes = self.passes
+        return passes[-1] if len(passes) else None
+
+    def __getitem__(self, label: str) -> Any:
+        """An op by label, else a module call by address, a node or a node call by label."""
+        lists = (self.ops, self.modules, self.grad_fns, self.grad_fn_calls)
+        for records in lists:
+            found = records.get(label)
+            if found is not None:
+                return found
+        raise label_not_found("record", label, [key for records in lists[:3] for key in records.labels()])
+
+    def to_pandas(self):
+        """The ops table (``grad`` is None and ``num_saved_grads`` says why when ambiguous)."""
+        return self.ops.to_pandas()
