@@ -26,9 +26,13 @@ from backlens.capture.interventions import EditApplication
 from backlens.capture.policy import GradPolicy
 from backlens.capture.slots import GradSlots
 from backlens.capture.state import CallEntry, CaptureState, InputEntry, ParamEntry, PassEntry
+from backlens.cost.journal import FORMAT_VERSION as COST_FORMAT_VERSION
 from backlens.cost.journal import CostJournal
 from backlens.graph.engine import CallSite
 from backlens.graph.table import NodeEntry, NodeTable
+from backlens.io.files import is_plain_name
+from backlens.io.shards import DTYPES as SHARD_DTYPES
+from backlens.io.shards import TensorEntry
 from backlens.select import _Opaque, selector_from_json
 
 
@@ -77,9 +81,31 @@ def _typed(python_type: type, what: str) -> Kind:
     return Kind(_plain, read)
 
 
-INT = _typed(int, "an integer")
 BOOL = _typed(bool, "true or false")
 STR = _typed(str, "a string")
+_INT64_MAX = 2**63 - 1
+
+
+def natural(low: int = 0) -> Kind:
+    """An integer from ``low`` up (never negative: a negative position would count from the end)."""
+    def read(value: Any, _ctx: Any) -> int:
+        _expect(type(value) is int and low <= value <= _INT64_MAX, f"an integer >= {low}", value)
+        return value
+
+    return Kind(_plain, read)
+
+
+NAT = natural(0)
+POSITIVE = natural(1)
+
+
+def one_of(*values: str) -> Kind:
+    """A string from a closed set."""
+    def read(value: Any, _ctx: Any) -> str:
+        _expect(type(value) is str and value in values, f"one of {', '.join(values)}", value)
+        return value
+
+    return Kind(_plain, read)
 
 
 def optional(kind: Kind) -> Kind:
@@ -87,9 +113,10 @@ def optional(kind: Kind) -> Kind:
                 lambda v, ctx: None if v is None else kind.read(v, ctx))
 
 
-def list_of(kind: Kind) -> Kind:
+def list_of(kind: Kind, most: int | None = None) -> Kind:
     def read(value: Any, ctx: Any) -> list:
-        _expect(isinstance(value, list), "a list", value)
+        _expect(isinstance(value, list) and (most is None or len(value) <= most),
+                "a list" if most is None else f"a list of at most {most}", value)
         return [kind.read(item, ctx) for item in value]
 
     return Kind(lambda v, refs: [kind.write(item, refs) for item in v], read)
@@ -135,8 +162,20 @@ def _read_float(value: Any, _ctx: Any) -> float:
     return float(value)
 
 
-FLOAT = Kind(lambda v, refs: v if math.isfinite(v) else repr(float(v)), _read_float)
-SHAPE = Kind(lambda v, refs: list(v), lambda v, ctx: tuple(list_of(INT).read(v, ctx)))
+def _write_float(value: float, _refs: Any) -> Any:
+    return value if math.isfinite(value) else repr(float(value))
+
+
+def _read_fraction(value: Any, ctx: Any) -> float:
+    fraction = _read_float(value, ctx)
+    _expect(0.0 <= fraction <= 1.0, "a fraction from 0 to 1", value)
+    return fraction
+
+
+FLOAT = Kind(_write_float, _read_float)
+FRACTION = Kind(_write_float, _read_fraction)
+MAX_DIMS = 64
+SHAPE = Kind(lambda v, refs: list(v), lambda v, ctx: tuple(list_of(NAT, MAX_DIMS).read(v, ctx)))
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
@@ -159,7 +198,7 @@ def _read_side(value: Any, ctx: Any) -> tuple:
 
 SIDE = Kind(lambda v, refs: refs.side(v), _read_side)
 CALL_SITE = Kind(lambda v, refs: [v.file, v.line, v.function],
-                 lambda v, ctx: CallSite(*row(STR, INT, STR).read(v, ctx)))
+                 lambda v, ctx: CallSite(*row(STR, NAT, STR).read(v, ctx)))
 
 
 def _read_error(value: Any, ctx: Any) -> RecordedError:
@@ -184,6 +223,7 @@ def _read_policy(value: Any, ctx: Any) -> GradPolicy:
     spec, text = value[0], STR.read(value[1], ctx)
     if isinstance(spec, bool):
         return GradPolicy(spec)
+    _expect(isinstance(spec, dict), "a selector object", spec)
     selector = selector_from_json(spec)  # selectors are rebuilt from a closed set of kinds
     if isinstance(selector, _Opaque) and text.startswith("save_grads="):
         selector = _Opaque(text[len("save_grads="):])
@@ -193,12 +233,13 @@ def _read_policy(value: Any, ctx: Any) -> GradPolicy:
 POLICY = Kind(_write_policy, _read_policy)
 
 
-def _read_cost(value: Any, _ctx: Any) -> CostJournal:
-    _expect(isinstance(value, dict), "the cost journal", value)
-    return CostJournal.from_dict(value)
+def one_of_int(*values: int) -> Kind:
+    """An integer from a closed set (a format version)."""
+    def read(value: Any, _ctx: Any) -> int:
+        _expect(type(value) is int and value in values, f"one of {values}", value)
+        return value
 
-
-COST = Kind(lambda v, refs: v.to_dict(), _read_cost)
+    return Kind(_plain, read)
 
 
 class Schema:
@@ -257,49 +298,146 @@ def _pass_entry(position: int, **fields: Any) -> PassEntry:
     return PassEntry(**fields)
 
 
+def _op_entry(position: int, **fields: Any) -> OpEntry:
+    # An op's inputs were made before it: a parent at or after it would be a cycle.
+    _expect(all(parent < position for parent in fields["parents"]), f"parents before op {position}",
+            fields["parents"])
+    return OpEntry(index=position, **fields)
+
+
+def _module_call_entry(position: int, **fields: Any) -> ModuleCallEntry:
+    parent, start, end = fields["parent"], fields["op_start"], fields["op_end"]
+    _expect(parent is None or parent < position, f"a parent call before call {position}", parent)
+    _expect(end is None or start <= end, f"op_end >= op_start ({start})", end)
+    return ModuleCallEntry(index=position, **fields)
+
+
+PASS_STATUSES = ("running", "ok", "failed", "recording_failed")
+SOURCE_KINDS = ("input", "param", "buffer")
+
 EDIT = Schema({"site": STR, "edit": STR, "op": optional(STR), "module": optional(STR),
-               "pass_number": optional(INT), "norm_before": FLOAT, "norm_after": FLOAT},
+               "pass_number": optional(number("passes")), "norm_before": FLOAT, "norm_after": FLOAT},
               lambda _at, **f: EditApplication(**f))
 OP = Schema({"name": STR, "label": STR, "module_call": optional(ref("modules")), "shape": optional(SHAPE),
-             "dtype": optional(DTYPE), "num_outputs": INT, "parents": list_of(ref("ops")),
-             "sources": list_of(ref("sources")), "output_nr": INT, "inplace": BOOL, "activation": optional(TENSOR)},
-            lambda at, **f: OpEntry(index=at, **f))
-MODULE_CALL = Schema({"address": STR, "module_address": STR, "call_number": INT,
+             "dtype": optional(DTYPE), "num_outputs": NAT, "parents": list_of(ref("ops")),
+             "sources": list_of(ref("sources")), "output_nr": NAT, "inplace": BOOL, "activation": optional(TENSOR)},
+            _op_entry)
+MODULE_CALL = Schema({"address": STR, "module_address": STR, "call_number": POSITIVE,
                       "parent": optional(ref("modules")), "op_start": upto("ops"), "op_end": optional(upto("ops")),
-                      "output_shape": optional(SHAPE), "output_nr": INT},
-                     lambda at, **f: ModuleCallEntry(index=at, **f))
+                      "output_shape": optional(SHAPE), "output_nr": NAT},
+                     _module_call_entry)
 PARAM = Schema({"name": STR, "shape": SHAPE, "dtype": DTYPE, "requires_grad": BOOL, "grad": optional(TENSOR)},
                lambda _at, grad, **f: ParamEntry(saved_grad=grad, **f),
                lambda p: {"name": p.name, "shape": p.shape, "dtype": p.dtype, "requires_grad": p.requires_grad,
                           "grad": p.grad})
 INPUT = Schema({"name": STR, "shape": SHAPE, "dtype": DTYPE, "requires_grad": BOOL, "was_parameter": BOOL},
                lambda _at, **f: InputEntry(**f))
-NODE = Schema({"label": STR, "type": STR, "sequence_nr": optional(INT), "op": optional(ref("ops")),
-               "module_call": optional(ref("modules")), "module_source": optional(STR), "order": optional(INT),
-               "is_custom": BOOL, "param": optional(STR), "source": optional(ref("sources"))},
+NODE = Schema({"label": STR, "type": STR, "sequence_nr": optional(NAT), "op": optional(ref("ops")),
+               "module_call": optional(ref("modules")), "module_source": optional(one_of("paired", "inferred")),
+               "order": optional(POSITIVE), "is_custom": BOOL, "param": optional(STR),
+               "source": optional(ref("sources"))},
               lambda at, **f: NodeEntry(index=at, **f))
-CALL = Schema({"node": ref("grad_fns"), "pass_number": number("passes"), "ordinal": INT, "start_ns": optional(INT),
-               "end_ns": INT, "hook_ns": INT, "grad_inputs": optional(SIDE), "grad_outputs": optional(SIDE),
-               "flops": optional(INT), "recompute_flops": optional(INT)},
+CALL = Schema({"node": ref("grad_fns"), "pass_number": number("passes"), "ordinal": POSITIVE,
+               "start_ns": optional(NAT), "end_ns": NAT, "hook_ns": NAT, "grad_inputs": optional(SIDE),
+               "grad_outputs": optional(SIDE), "flops": optional(NAT), "recompute_flops": optional(NAT)},
               lambda _at, **f: CallEntry(**f))
-PASS = Schema({"number": INT, "trigger": STR, "call_site": optional(CALL_SITE), "retain_graph": optional(BOOL),
-               "create_graph": BOOL, "policy": POLICY, "start_ns": INT, "status": STR, "error": optional(ERROR),
-               "end_ns": optional(INT), "orders": list_of(INT), "order_coverage": optional(FLOAT),
-               "edits": entries(EDIT)},
+PASS = Schema({"number": POSITIVE, "trigger": STR, "call_site": optional(CALL_SITE), "retain_graph": optional(BOOL),
+               "create_graph": BOOL, "policy": POLICY, "start_ns": NAT, "status": one_of(*PASS_STATUSES),
+               "error": optional(ERROR), "end_ns": optional(NAT), "orders": list_of(POSITIVE),
+               "order_coverage": optional(FRACTION), "edits": entries(EDIT)},
               _pass_entry)
 CAPTURE = Schema({"inference_only": BOOL, "backward_requested": BOOL, "flops_enabled": BOOL,
                   "inference_cause": optional(STR)},
                  lambda _at, **f: f)
-SOURCES = Schema({"kinds": list_of(STR), "names": list_of(STR)},
+SOURCES = Schema({"kinds": list_of(one_of(*SOURCE_KINDS)), "names": list_of(STR)},
                  lambda _at, **f: f,
                  lambda journal: {"kinds": journal.source_kinds, "names": journal.source_names})
 SLOTS = Schema({"ops": list_of(row(ref("ops"), ref("grad_fns"))),
                 "modules": list_of(row(ref("modules"), ref("grad_fns"))),
                 "params": list_of(row(STR, ref("grad_fns"))),
-                "inputs": list_of(row(ref("inputs"), ref("grad_fns"), INT)),
+                "inputs": list_of(row(ref("inputs"), ref("grad_fns"), NAT)),
                 "extra_input_grads": list_of(row(ref("inputs"), TENSOR, number("passes")))},
                lambda _at, **f: f,
                lambda fields: fields)
+
+# The cost journal (cost/journal.py): plain data, read back field by field.
+FORWARD_FAILURE = Schema({"op_index": ref("ops"), "func": STR, "error": STR}, lambda _at, **f: f)
+FORWARD_COST = Schema({"op_flops": list_of(optional(NAT)), "replay_failures": entries(FORWARD_FAILURE)},
+                      lambda _at, **f: f)
+UNATTRIBUTED_OP = Schema({"op": STR, "under": optional(STR), "calls": NAT, "flops": NAT}, lambda _at, **f: f)
+PASS_COST = Schema({"pass": number("passes"), "counted": BOOL, "reason": optional(STR),
+                    "executed_flops": optional(NAT), "unattributed_flops": optional(NAT),
+                    "unattributed_ops": entries(UNATTRIBUTED_OP), "recompute_known": BOOL,
+                    "recompute_flops": optional(NAT), "attributed": BOOL, "aten_calls": optional(NAT)},
+                   lambda _at, **f: f)
+COST_JOURNAL = Schema({"version": one_of_int(COST_FORMAT_VERSION), "forward": optional(one(FORWARD_COST)),
+                       "passes": entries(PASS_COST)},
+                      lambda _at, **f: f)
+
+
+def _read_cost(value: Any, ctx: Any) -> CostJournal:
+    return CostJournal.from_dict(COST_JOURNAL.read(value, ctx))
+
+
+COST = Kind(lambda v, refs: v.to_dict(), _read_cost)
+
+
+# The tensor index (the manifest's "tensors" section, io/shards.py): every shard file and every tensor.
+def _read_hex64(value: Any, _ctx: Any) -> str:
+    _expect(type(value) is str and len(value) == 64 and all(c in "0123456789abcdef" for c in value),
+            "a sha256 (64 lowercase hex digits)", value)
+    return value
+
+
+def _read_shard_name(value: Any, _ctx: Any) -> str:
+    _expect(is_plain_name(value) and value.endswith(".safetensors"),
+            "a shard file name in the bundle directory (name.safetensors)", value)
+    return value
+
+
+def _tensor_entry(_position: int, offsets: tuple, **fields: Any) -> TensorEntry:
+    _expect(offsets[0] <= offsets[1], "offsets [begin, end] with begin <= end", list(offsets))
+    return TensorEntry(offsets=list(offsets), shape=list(fields.pop("shape")), **fields)
+
+
+SHA256 = Kind(_plain, _read_hex64)
+SHARD_NAME = Kind(_plain, _read_shard_name)
+SHARD_FILE = Schema({"bytes": NAT, "sha256": SHA256}, lambda _at, **f: f)
+TENSOR_ENTRY = Schema({"file": SHARD_NAME, "dtype": one_of(*SHARD_DTYPES), "shape": SHAPE,
+                       "offsets": row(NAT, NAT), "sha256": SHA256},
+                      _tensor_entry)
+
+
+def mapping_of(kind: Kind) -> Kind:
+    """An object whose values are of one kind (keys are the names)."""
+    def read(value: Any, ctx: Any) -> dict[str, Any]:
+        _expect(isinstance(value, dict), "an object", value)
+        out = {}
+        for key, item in value.items():
+            try:
+                out[key] = kind.read(item, ctx)
+            except ValueError as exc:
+                raise ValueError(f"[{key[:80]!r}] {exc}") from None
+        return out
+
+    return Kind(_plain, read)
+
+
+TENSOR_SECTION = Schema({"files": mapping_of(one(SHARD_FILE)), "index": mapping_of(one(TENSOR_ENTRY))},
+                        lambda _at, **f: f)
+
+
+def read_tensor_section(value: Any) -> tuple[dict[str, dict[str, Any]], dict[str, TensorEntry]]:
+    """The shard files (name -> bytes, sha256) and tensor entries of a manifest's ``tensors``
+    section; ValueError naming the first bad field, or a tensor in a file not listed."""
+    try:
+        section = TENSOR_SECTION.read(value, None)
+    except ValueError as exc:
+        raise ValueError(f"tensors: {exc}") from None
+    for name, entry in section["index"].items():
+        _expect(entry.file in section["files"], f"tensors: index[{name[:80]!r}]: a file listed in tensors.files",
+                entry.file)
+    return section["files"], section["index"]
 
 
 def _read_module_types(value: Any, ctx: Any) -> dict[str, str]:
