@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from backlens import _torch
+from backlens import _args, _torch
+from backlens._fence import complete
 from backlens._nested import iter_named_tensors, iter_tensors
 from backlens.capture.backward import BackwardRecorder
 from backlens.capture.forward import ActivationPolicy, ForwardRecorder
@@ -37,6 +38,12 @@ from backlens.io.bundle import BundleInfo, read_bundle, save_state
 from backlens.io.disk_store import make_store
 from backlens.records.capture import CaptureRecords
 from backlens.report.failures import PassFailures
+
+# The options of bl.capture: a keyword close to one of these is a typo, not the model's.
+CAPTURE_OPTIONS = ("save_grads", "save_activations", "storage", "flops", "timing", "intervene", "backward",
+                   "detect_nonfinite")
+# What cap.backward passes on to torch.autograd.backward.
+BACKWARD_OPTIONS = ("grad_tensors", "retain_graph", "create_graph", "inputs")
 
 
 def capture(
@@ -65,15 +72,22 @@ def capture(
             code="not_a_module",
             remedy="Wrap the callable in an nn.Module (its forward calls the function) and capture that.",
         )
+    # Every option is checked before anything runs or is created (a to_disk directory).
+    _args.no_mistyped_options(kwargs, CAPTURE_OPTIONS, model.forward, "bl.capture")
+    for name, value in (("flops", flops), ("timing", timing), ("backward", backward),
+                        ("detect_nonfinite", detect_nonfinite)):
+        _args.flag(value, name, "bl.capture")
+    policy = GradPolicy(save_grads)
+    activations = ActivationPolicy(save_activations)
+    interventions = as_interventions(intervene)
     # The forward, recorded into the state's journal.
     state = CaptureState(make_store(storage))
-    policy = GradPolicy(save_grads)
-    armed = ArmedEdits(as_interventions(intervene), state.forward_edits)
+    armed = ArmedEdits(interventions, state.forward_edits)
     armed.check_backward(backward)
     journal = state.journal
     # flops=True: the recorder also counts or notes the ops that may carry FLOPs (no dispatch mode).
     recorder = (FlopForwardRecorder if flops else ForwardRecorder)(
-        state, ActivationPolicy(save_activations), op_hook=armed.op_hook(state) if armed.activation else None
+        state, activations, op_hook=armed.op_hook(state) if armed.activation else None
     )
     if armed.edits_module_outputs:
         recorder.module_output_hook = armed.module_hook
@@ -85,13 +99,15 @@ def capture(
     grad_enabled = torch.is_grad_enabled()
     inference_mode = torch.is_inference_mode_enabled()
 
-    recorder.attach(addresses, module_types)
-    journal.seq_start = _torch.sequence_nr()
+    # Everything the forward installs in torch (the module-call wrapper, the function
+    # mode) is installed inside this try and removed in its finally, also on Ctrl-C.
     try:
-        with recorder:
+        recorder.attach(addresses, module_types)
+        journal.seq_start = _torch.sequence_nr()
+        with _torch.function_mode(recorder):
             output = model(*args, **kwargs)
     finally:
-        recorder.detach()
+        complete(recorder.detach)
     journal.seq_end = _torch.sequence_nr()
     recorder.finish()
     warn_if_no_activation_kept(save_activations, journal)
@@ -140,9 +156,12 @@ def capture(
 def load(path: str | os.PathLike, *, verify: bool = True) -> LoadedCapture:
     """Read the bundle at ``path`` as a read-only capture (API.md §6, docs/bundles.md).
 
-    ``verify=False`` skips hashing the shards (faster for very large bundles);
-    sizes and headers are still checked.
+    ``verify=False`` skips hashing the shards up front (faster for very large
+    bundles); sizes and headers are still checked, and each tensor is checked
+    against its sha256 when first read.
     """
+    _args.path(path, "path", "bl.load", "bl.load('runs/capture1')")
+    _args.flag(verify, "verify", "bl.load")
     if is_derived(path):
         return load_derived(path, verify=verify)
     state, info = read_bundle(path, verify=verify)
@@ -246,13 +265,29 @@ class Capture(CaptureRecords):
     def backward(self, loss: torch.Tensor | None = None, *, save_grads: Any = None, **backward_kwargs: Any) -> None:
         """Run ``torch.autograd.backward(loss)`` as one recorded pass.
 
-        ``save_grads`` widens or narrows the save policy for this pass only.
+        ``save_grads`` widens or narrows the save policy for this pass only;
+        ``backward_kwargs`` (``retain_graph``, ``create_graph``, ``inputs``,
+        ``grad_tensors``) go to autograd.
         """
+        if loss is not None and not isinstance(loss, torch.Tensor):
+            raise UnsupportedInputError(
+                f"cap.backward: loss must be a tensor, got {type(loss).__name__}.", code="bad_argument",
+                remedy="Pass the loss tensor, cap.backward(loss), or nothing when the output is a scalar.")
+        for key in backward_kwargs:
+            if key not in BACKWARD_OPTIONS:
+                option = _args.close_option(key, [*BACKWARD_OPTIONS, "save_grads"])
+                hint = f"; did you mean {option}=?" if option else ""
+                raise UnsupportedInputError(
+                    f"cap.backward: unknown option {key}={hint} It takes save_grads= and autograd's "
+                    f"{', '.join(BACKWARD_OPTIONS)}.",
+                    code="mistyped_option" if option else "unknown_option",
+                    remedy=f"Spell it {option}=." if option else "Drop it, or pass one of the options named.")
+        policy = GradPolicy(save_grads) if save_grads is not None else None
         self._check_backward_available()
         if loss is None:
             loss = self._default_loss()
         recorder = self._state.recorder
-        recorder.use_policy_for_next_pass(GradPolicy(save_grads) if save_grads is not None else None)
+        recorder.use_policy_for_next_pass(policy)
         engine.set_trigger_override("cap.backward")
         try:
             torch.autograd.backward(loss, **backward_kwargs)
@@ -262,6 +297,13 @@ class Capture(CaptureRecords):
 
     def _check_backward_available(self) -> None:
         state = self._state
+        if state.interrupted is not None:
+            raise CaptureClosedError(
+                f"This capture stopped recording: {state.interrupted} (a Ctrl-C or an error at that "
+                "moment), so its records could disagree with the graph; it removed its hooks.",
+                code="capture_interrupted",
+                remedy="Make a new capture with bl.capture(...); the records so far stay readable.",
+            )
         if state.closed:
             raise CaptureClosedError(
                 "This capture was closed; its hooks are gone, so it cannot record a backward.",
@@ -300,10 +342,13 @@ class Capture(CaptureRecords):
         """
         if self._rerun is None or self._model is None:
             raise CaptureClosedError("This capture cannot rerun its forward (closed or loaded from disk).")
+        armed_here = when(site, edit)
+        if loss is not None:
+            _args.callable_(loss, "loss", "cap.do", "loss=lambda c: c.output.sum()")
         args, kwargs, options, intervene = self._rerun
         if inputs is not None:
             args = inputs if isinstance(inputs, tuple) else (inputs,)
-        armed = [*as_interventions(intervene), when(site, edit)]
+        armed = [*as_interventions(intervene), armed_here]
         new = capture(self._model, *args, intervene=armed, **options, **kwargs)
         if loss is not None:
             new.backward(loss(new))
@@ -321,6 +366,9 @@ class Capture(CaptureRecords):
 
     def save(self, path: str | os.PathLike | None = None, *, overwrite: bool = False) -> Path:
         """Write this capture as a bundle directory (API.md §6, docs/bundles.md); returns its path."""
+        if path is not None:
+            _args.path(path, "path", "cap.save", "cap.save('runs/capture1')")
+        _args.flag(overwrite, "overwrite", "cap.save")
         return save_state(self._state, path, overwrite=overwrite)
 
     def close(self) -> None:

@@ -242,6 +242,13 @@ class ActivationPolicy:
     """Which forward outputs to keep: everything, nothing, or a selector."""
 
     def __init__(self, spec: Any):
+        if not (spec is True or spec is False or spec is None or callable(getattr(spec, "matches", None))):
+            from backlens.errors import UnsupportedInputError
+
+            raise UnsupportedInputError(
+                f"save_activations must be True, False or a selector, not {spec!r} ({type(spec).__name__}).",
+                remedy="Pass save_activations=True, False, or a selector such as bl.func('relu').",
+            )
         self.spec = spec
         self.keeps_any = spec is not False and spec is not None
 

@@ -110,6 +110,7 @@ class PassEntry:
     seq_end: int | None = None
     result: Any = None
     failed_node: int | None = None
+    recording_error: BaseException | None = None  # an internal error in a hook (status recording_failed)
 
 
 class CaptureState:
@@ -135,6 +136,7 @@ class CaptureState:
         self.flops_enabled = False
         self.recorder: Any = None  # a live capture's BackwardRecorder
         self.closed = False
+        self.interrupted: str | None = None  # why recording stopped (an interrupted update), else None
         self._views: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._input_of_source: dict[int, int] | None = None
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from backlens import _torch
 from backlens.cost.census import BackwardCensus
 from backlens.cost.settle import no_count_reason, settle, uncounted
 
@@ -56,9 +57,9 @@ class FlopObserver:
         _warm_dispatch_modes()
         self._census: dict[int, BackwardCensus] = {}
 
-    def run_context(self, run: Any, pass_: Any) -> BackwardCensus:
+    def run_context(self, run: Any, pass_: Any) -> Any:
         census = self._census[pass_.number] = BackwardCensus(create_graph=run.create_graph)
-        return census
+        return _torch.dispatch_mode(census)  # off torch's mode stack on the way out, also on Ctrl-C
 
     def on_pass_close(self, state: Any, pass_: Any, error: BaseException | None) -> None:
         census = self._census.pop(pass_.number, None)

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from backlens import _torch
+from backlens._fence import complete
 from backlens._frames import PACKAGE_DIR, TORCH_DIR, user_frame
 from backlens.graph.discovery import root_nodes
 
@@ -74,16 +75,20 @@ _lock = threading.RLock()
 
 
 def arm(participant: Participant) -> None:
-    """Start routing engine runs to ``participant`` (installs the wrapper once)."""
-    _torch.install_engine_wrapper(_make_wrapper)
+    """Start routing engine runs to ``participant`` (installs the wrapper with the first one)."""
     with _lock:
+        _torch.install_engine_wrapper(_make_wrapper)
         if participant not in _live_participants():
             _participants.append(weakref.ref(participant))
 
 
 def disarm(participant: Participant) -> None:
+    """Stop routing runs to ``participant``; with none left, torch's entry point is restored,
+    so a backward with no capture armed runs no backlens code."""
     with _lock:
         _participants[:] = [ref for ref in _participants if ref() is not None and ref() is not participant]
+        if not _participants:
+            _torch.uninstall_engine_wrapper()
 
 
 def _live_participants() -> list[Participant]:
@@ -112,28 +117,30 @@ def _make_wrapper(original):
         run = _open_explicit_run(t_outputs, args, kwargs)
         if run is None:
             return original(t_outputs, *args, **kwargs)
-        for participant, backward_pass in run.passes.items():
-            refused = participant.preflight(backward_pass)
-            if refused is not None:
-                close_run(run, refused)
-                raise refused
+        # From here every pass the run opened is closed whatever happens (a Ctrl-C
+        # included), so none stays "running" and no census mode stays installed.
         pending = _pending()
-        pending.append(run)
         try:
+            for participant, backward_pass in list(run.passes.items()):
+                refused = participant.preflight(backward_pass)
+                if refused is not None:
+                    close_run(run, refused)
+                    raise refused
+            pending.append(run)
             try:
                 with ExitStack() as stack:
-                    for participant in run.passes:
+                    for participant in list(run.passes):
                         for context in participant.run_contexts(run):
                             stack.enter_context(context)
                     result = original(t_outputs, *args, **kwargs)
             finally:
-                _forget(run, pending)
+                complete(lambda: _forget(run, pending))
         except BaseException as exc:
             replacement = close_run(run, exc)
             if replacement is not None and replacement is not exc:
                 raise replacement from exc
             raise
-        close_run(run, None, result)
+        complete(lambda: close_run(run, None, result))
         return result
 
     return run_engine
@@ -172,8 +179,13 @@ def _open_explicit_run(t_outputs, args, kwargs) -> Run | None:
         explicit=True,
         inputs=tuple(inputs) if inputs else None,
     )
-    for participant in participants:
-        run.passes[participant] = participant.open_pass(run)
+    try:
+        for participant in participants:
+            run.passes[participant] = participant.open_pass(run)
+    except BaseException as exc:
+        failure = exc
+        complete(lambda: close_run(run, failure))  # the passes opened so far do not stay "running"
+        raise
     return run
 
 
@@ -206,18 +218,24 @@ def user_call_site() -> CallSite | None:
 
 
 def close_run(run: Run, error: BaseException | None, result: Any = None) -> BaseException | None:
-    """Close every pass of ``run``; returns the error to raise (maybe translated)."""
+    """Close every pass of ``run``; returns the error to raise (maybe translated).
+
+    Called again after an interruption, it closes the passes still open.
+    """
     if run.closed:
         return error
-    run.closed = True
     raised = error
-    for participant, backward_pass in list(run.passes.items()):
+    # Each pass keeps its run; the run need not keep its passes (no cycle to collect).
+    while run.passes:
+        participant, backward_pass = next(iter(run.passes.items()))
         backward_pass.result = result
-        translated = participant.close_pass(backward_pass, error)
+        try:
+            translated = participant.close_pass(backward_pass, error)
+        finally:
+            run.passes.pop(participant, None)
         if translated is not None and raised is error:
             raised = translated
-    # Each pass keeps its run; the run need not keep its passes (no cycle to collect).
-    run.passes.clear()
+    run.closed = True
     return raised
 
 

@@ -28,6 +28,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from backlens import _args
+
 ROOT_NAME = "(model)"
 _PID = 1
 
@@ -140,6 +142,7 @@ class Timeline:
 
 def timeline(cap: Any, pass_: int | None = None) -> Timeline:
     """The backward of ``cap`` (every pass, or pass ``pass_`` alone) as a :class:`Timeline`."""
+    _args.capture(cap, "bl.report.timeline(cap)", needs=("passes",))
     passes = list(cap.passes) if pass_ is None else [cap.passes.for_pass(pass_)]
     chain_of = _module_chains(cap)
     slices: list[Slice] = []
