@@ -181,7 +181,7 @@ _DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isi
 
 
 def _read_dtype(value: Any, _ctx: Any) -> torch.dtype:
-    _expect(value in _DTYPES, "a torch dtype name", value)
+    _expect(type(value) is str and value in _DTYPES, "a torch dtype name", value)
     return _DTYPES[value]
 
 
@@ -434,6 +434,11 @@ def read_tensor_section(value: Any) -> tuple[dict[str, dict[str, Any]], dict[str
         section = TENSOR_SECTION.read(value, None)
     except ValueError as exc:
         raise ValueError(f"tensors: {exc}") from None
+    for name in section["files"]:
+        try:
+            _read_shard_name(name, None)
+        except ValueError as exc:
+            raise ValueError(f"tensors: files: {exc}") from None
     for name, entry in section["index"].items():
         _expect(entry.file in section["files"], f"tensors: index[{name[:80]!r}]: a file listed in tensors.files",
                 entry.file)
