@@ -49,7 +49,7 @@ from backlens.derive.record import EXACT, DerivedGrads, IntermediateGrad, Interm
 from backlens.errors import BundleError
 from backlens.io.disk_store import check_target
 from backlens.io.files import BundleDir, parse_json, read_exact
-from backlens.io.replace import Staging, clean_leftovers, put_in_place, recover
+from backlens.io.replace import Staging, clean_leftovers, put_in_place, recover, remove_old
 
 FORMAT = "backlens.derived"
 KIND = "derived"
@@ -116,7 +116,7 @@ def save(grads: DerivedGrads, path: str | os.PathLike, *, overwrite: bool = Fals
     try:
         _write_file(staging.path / TENSORS, payload)
         _write_file(staging.path / MANIFEST, json.dumps(body, indent=1).encode("utf-8"))
-        put_in_place(staging, target, overwrite)
+        replaced = put_in_place(staging, target, overwrite)
     except BaseException as exc:
         staging.discard()
         if isinstance(exc, OSError):
@@ -124,6 +124,7 @@ def save(grads: DerivedGrads, path: str | os.PathLike, *, overwrite: bool = Fals
                               code="bundle_write_failed",
                               remedy="Choose a writable location with enough free space.") from exc
         raise
+    remove_old(replaced, target)
     return target
 
 

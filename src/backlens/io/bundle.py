@@ -45,7 +45,7 @@ from backlens.io import manifest as manifest_io
 from backlens.io.disk_store import DiskStore, check_target
 from backlens.io.files import BundleDir, damaged
 from backlens.io.names import MANIFEST, STREAM_MARKER
-from backlens.io.replace import Staging, clean_leftovers, put_in_place, recover
+from backlens.io.replace import Staging, clean_leftovers, put_in_place, recover, remove_old
 from backlens.io.schema import decode_state, read_tensor_section
 from backlens.io.shards import (
     ITEMSIZE,
@@ -97,7 +97,7 @@ def save_state(state: CaptureState, path: str | os.PathLike | None = None, *, ov
             writer.flush()
         body["tensors"] = manifest_io.tensor_section([writer])
         manifest_io.write(staging.path, body)
-        put_in_place(staging, target, overwrite)
+        replaced = put_in_place(staging, target, overwrite)
     except BaseException as exc:
         staging.discard()
         if isinstance(exc, OSError):
@@ -105,6 +105,7 @@ def save_state(state: CaptureState, path: str | os.PathLike | None = None, *, ov
                               code="bundle_write_failed",
                               remedy="Choose a writable location with enough free space.") from exc
         raise
+    remove_old(replaced, target)
     return target
 
 

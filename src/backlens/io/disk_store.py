@@ -28,7 +28,7 @@ from backlens.capture.store import MemoryStore
 from backlens.errors import BundleError, UnsupportedInputError
 from backlens.io import manifest as manifest_io
 from backlens.io.names import EXTRA_SHARDS, MANIFEST, STREAM_MARKER
-from backlens.io.replace import Staging, clean_leftovers, put_in_place, recover
+from backlens.io.replace import Staging, clean_leftovers, put_in_place, recover, remove_old
 from backlens.io.shards import DEFAULT_SHARD_BYTES, ShardReader, ShardWriter, storable
 
 
@@ -249,8 +249,9 @@ class DiskStore:
             extras.flush()
             body["tensors"] = manifest_io.tensor_section([self.writer, extras])
             manifest_io.write(directory, body)
+            replaced = None
             if self.staging is not None:
-                put_in_place(self.staging, self.path, overwrite=True)
+                replaced = put_in_place(self.staging, self.path, overwrite=True)
                 self.staging = None
                 self.writer.directory = self.path
                 self.reader = ShardReader(self.path, self.writer.data_starts)
@@ -264,6 +265,7 @@ class DiskStore:
             if leftover.name not in referenced:  # the extras of an earlier save
                 leftover.unlink(missing_ok=True)
         (self.path / STREAM_MARKER).unlink(missing_ok=True)
+        remove_old(replaced, self.path)
 
     def close(self) -> None:
         """Flush; after a storage failure, remove what cannot become a bundle (it only takes space)."""

@@ -142,9 +142,10 @@ def _is_empty_directory(path: Path) -> bool:
     return stat.S_ISDIR(info.st_mode) and not any(os.scandir(path))
 
 
-def put_in_place(staging: Staging, target: Path, overwrite: bool) -> None:
+def put_in_place(staging: Staging, target: Path, overwrite: bool) -> Path | None:
     """Make the finished bundle in ``staging`` the bundle at ``target`` (see the module docstring).
 
+    Returns where the bundle it replaced now is (for :func:`remove_old`), or None.
     Raises BundleError when ``target`` holds something and ``overwrite`` is false,
     OSError when the file system refuses; ``target`` then still holds what it held.
     """
@@ -156,14 +157,13 @@ def put_in_place(staging: Staging, target: Path, overwrite: bool) -> None:
                 raise
         else:
             staging.release()
-            return
+            return None
     if not overwrite:  # it appeared while the bundle was being written
         raise BundleError(f"{target}: already exists.", code="bundle_exists",
                           remedy="Choose a new path, or pass overwrite=True.")
     if exchange(staging.path, target):
         staging.release()
-        remove_tree(staging.path, f"the bundle it replaced (the new one is at {target})")
-        return
+        return staging.path
     old = sibling(target, "old", uuid.uuid4().hex[:12])
     held = _lock(target, wait=True)  # the old bundle: recover() leaves it alone while we move it
     try:
@@ -176,7 +176,13 @@ def put_in_place(staging: Staging, target: Path, overwrite: bool) -> None:
     finally:
         _unlock(held)
     staging.release()
-    remove_tree(old, f"the bundle it replaced (the new one is at {target})")
+    return old
+
+
+def remove_old(old: Path | None, target: Path) -> None:
+    """Delete the bundle a save replaced (BundleError when that fails; the new one is in place)."""
+    if old is not None:
+        remove_tree(old, f"the bundle it replaced (the new one is at {target})")
 
 
 def remove_tree(path: Path, what: str) -> None:
