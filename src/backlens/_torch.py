@@ -383,3 +383,29 @@ def dispatch_mode(mode: Any):
         yield mode
     finally:
         complete(leave)
+
+
+def _recompute_dispatch_flags() -> None:
+    """torch's in-a-dispatch-mode flags, as the modes left on its stack make them."""
+    modes = [_dispatch_stack_at(i) for i in range(_len_dispatch_stack())]
+    _python_dispatch._is_in_torch_dispatch_mode = bool(modes)
+    _python_dispatch._is_in_non_infra_torch_dispatch_mode = any(
+        not getattr(m, "is_infra_mode", lambda: False)() for m in modes)
+    without = any(not getattr(m, "ignore_compile_internals", lambda: False)() for m in modes)
+    _python_dispatch._is_in_any_mode_without_ignore_compile_internals = without
+    if _set_compile_internals_flag is not None:
+        _set_compile_internals_flag(without)
+
+
+def drop_dispatch_modes(stale: Callable[[Any], bool]) -> int:
+    """Pop dispatch modes that ``stale(mode)`` says were left behind, from the top of torch's
+    stack (a Ctrl-C that cut a cleanup short); returns how many. A mode above them is left alone."""
+    if not (HAS_MODE_STACKS and HAS_DISPATCH_MODE_FLAGS) or not _len_dispatch_stack():
+        return 0
+    dropped = 0
+    while _len_dispatch_stack() and stale(_dispatch_stack_at(_len_dispatch_stack() - 1)):
+        _pop_dispatch_stack(None)
+        dropped += 1
+    if dropped:
+        _recompute_dispatch_flags()
+    return dropped

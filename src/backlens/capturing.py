@@ -27,7 +27,7 @@ from backlens.capture.state import CaptureState, InputEntry, ParamEntry
 from backlens.capture.unmatched import UnmatchedSelectorWarner, warn_if_no_activation_kept
 from backlens.cost.forward_count import FlopForwardRecorder
 from backlens.cost.journal import CostJournal
-from backlens.cost.observer import FlopObserver
+from backlens.cost.observer import FlopObserver, census_left_behind
 from backlens.derive.bundle import is_derived
 from backlens.derive.bundle import load as load_derived
 from backlens.derive.frameworks import refuse_other_framework
@@ -72,6 +72,7 @@ def capture(
             code="not_a_module",
             remedy="Wrap the callable in an nn.Module (its forward calls the function) and capture that.",
         )
+    _torch.drop_dispatch_modes(census_left_behind)  # what an interrupted earlier pass may have left
     # Every option is checked before anything runs or is created (a to_disk directory).
     _args.no_mistyped_options(kwargs, CAPTURE_OPTIONS, model.forward, "bl.capture")
     for name, value in (("flops", flops), ("timing", timing), ("backward", backward),

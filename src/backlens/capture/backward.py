@@ -138,7 +138,14 @@ class BackwardRecorder:
         state = self._state()
         if state is not None and state.interrupted is None:
             state.interrupted = "adding autograd nodes to the capture was interrupted"
-        complete(self.remove_hooks)
+
+        def stop() -> None:
+            self.remove_hooks()
+            self.table.repair()
+            del self.node_calls[len(self.table):]
+            self.node_calls.extend([[] for _ in range(len(self.table) - len(self.node_calls))])
+
+        complete(stop)
 
     def _recording_failed(self, error: BaseException, pass_: PassEntry | None = None) -> None:
         """An internal error in a hook: the pass is marked ``recording_failed`` with the cause,

@@ -40,6 +40,7 @@ class BackwardCensus(CountingMode):
         self.formula_errors: list[str] = []
         self._recomputing = recompute_probe(create_graph)
         self.recompute_known = self._recomputing is not None
+        self.closed = False  # its pass closed: it must no longer be on torch's mode stack
 
     def seen(self, func: Any, counter: Any, args: tuple, kwargs: dict | None, out: Any) -> None:
         self.aten_calls += 1

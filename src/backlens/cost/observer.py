@@ -50,6 +50,11 @@ def _enter_a_dispatch_mode() -> None:
         torch.zeros(1).add_(1)
 
 
+def census_left_behind(mode: Any) -> bool:
+    """A backward census whose pass has closed (it should be off torch's mode stack)."""
+    return isinstance(mode, BackwardCensus) and mode.closed
+
+
 class FlopObserver:
     """Counts backward FLOPs of every explicit pass of one capture."""
 
@@ -63,6 +68,10 @@ class FlopObserver:
 
     def on_pass_close(self, state: Any, pass_: Any, error: BaseException | None) -> None:
         census = self._census.pop(pass_.number, None)
+        if census is not None:
+            # Off torch's mode stack even if a Ctrl-C cut its own cleanup short.
+            census.closed = True
+            _torch.drop_dispatch_modes(census_left_behind)
         calls = [state.calls[i] for i in pass_.calls]
         reason = no_count_reason(census, pass_.trigger, pass_.run.explicit, error)
         if reason is not None:

@@ -136,7 +136,9 @@ def _make_wrapper(original):
             finally:
                 complete(lambda: _forget(run, pending))
         except BaseException as exc:
-            replacement = close_run(run, exc)
+            failure, outcome = exc, []
+            complete(lambda: outcome.append(close_run(run, failure)))
+            replacement = outcome[-1] if outcome else None
             if replacement is not None and replacement is not exc:
                 raise replacement from exc
             raise
@@ -229,10 +231,8 @@ def close_run(run: Run, error: BaseException | None, result: Any = None) -> Base
     while run.passes:
         participant, backward_pass = next(iter(run.passes.items()))
         backward_pass.result = result
-        try:
-            translated = participant.close_pass(backward_pass, error)
-        finally:
-            run.passes.pop(participant, None)
+        translated = participant.close_pass(backward_pass, error)  # closing twice is a no-op
+        run.passes.pop(participant, None)
         if translated is not None and raised is error:
             raised = translated
     run.closed = True
