@@ -136,8 +136,8 @@ def main(workdir: Path, mode: str) -> None:
     steps = in_child(mode, path, None, False)
     assert which(path, old, new) == "new", which(path, old, new)
     points = [(n, after) for n in range(1, steps + 1) for after in (False, True)]
-    if len(points) > 36:  # many shard writes: every step at both ends, a sample of those between
-        points = points[:8] + points[8:-20:max(1, (len(points) - 28) // 8)] + points[-20:]
+    if len(points) > 24:  # many shard writes: every step at both ends, a sample of those between
+        points = points[:6] + points[6:-14:max(1, (len(points) - 20) // 4)] + points[-14:]
     for kill_at, after in points:
         reset()
         killed = in_child(mode, path, kill_at, after) == -1
