@@ -101,6 +101,9 @@ CASES = [
     ("bench_not_a_module", lambda c: bl.bench.backward(None, x, lambda o: o.sum()), "not_a_module"),
     ("bench_repeats_a_string", lambda c: bl.bench.backward(model(), x, lambda o: o.sum(), repeats="a"),
      "bad_repeats"),
+    ("timeline_save_path_a_number", lambda c: bl.report.timeline(c).save(5), "bad_path"),
+    ("derive_intermediate_a_string", lambda c: bl.derive(lambda p: 0.0, {}, intermediate="x"), "derive_bad_option"),
+    ("derive_framework_a_number", lambda c: bl.derive(lambda p: 0.0, {}, framework=3), "derive_unknown_framework"),
     ("bench_repeats_negative", lambda c: bl.bench.backward(model(), x, lambda o: o.sum(), repeats=-1),
      "bad_repeats"),
 ]

@@ -116,6 +116,7 @@ class Timeline:
 
     def save(self, path: str) -> str:
         """Write the Trace Event format JSON to ``path``; returns ``path``."""
+        _args.path(path, "path", "Timeline.save", "timeline.save('backward.json')")
         with open(path, "w", encoding="utf-8") as handle:
             json.dump(self.to_trace(), handle)
         return path
