@@ -36,6 +36,7 @@ from backlens.errors import BackwardUnavailableError, CaptureClosedError, Unsupp
 from backlens.graph import engine
 from backlens.io.bundle import BundleInfo, read_bundle, save_state
 from backlens.io.disk_store import make_store
+from backlens.io.replace import recover
 from backlens.records.capture import CaptureRecords
 from backlens.report.failures import PassFailures
 
@@ -163,6 +164,7 @@ def load(path: str | os.PathLike, *, verify: bool = True) -> LoadedCapture:
     """
     _args.path(path, "path", "bl.load", "bl.load('runs/capture1')")
     _args.flag(verify, "verify", "bl.load")
+    recover(Path(path))  # a replacement that died between its two renames: the old bundle goes back
     if is_derived(path):
         return load_derived(path, verify=verify)
     state, info = read_bundle(path, verify=verify)

@@ -155,7 +155,7 @@ def read(directory: BundleDir) -> dict[str, Any]:
             raise BundleError(f"{path}: migration from format version {before} failed.", code="bundle_too_old")
     expected = {*HEADER, *SECTIONS, "tensors"}
     if manifest.keys() != expected:
-        unknown, missing = sorted(set(manifest) - expected), sorted(expected - set(manifest))
+        unknown, missing = sorted(set(manifest) - expected)[:10], sorted(expected - set(manifest))
         raise BundleError(f"{path}: the manifest's sections differ from format version {FORMAT_VERSION}'s "
                           f"(unknown: {unknown}, missing: {missing}).", code="bundle_corrupt")
     return manifest
