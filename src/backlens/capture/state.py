@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from backlens._fence import complete
 from backlens.capture.forward import ForwardJournal
 from backlens.capture.pairing import describe_node
 from backlens.capture.slots import GradSlots
@@ -211,7 +212,7 @@ class CaptureState:
     def close(self) -> None:
         """Remove every hook and drop every autograd node; everything recorded stays readable."""
         if self.recorder is not None:
-            self.recorder.close()
+            complete(self.recorder.close)  # every hook goes, also when a Ctrl-C arrives meanwhile
         self.table.clear()
         self.journal.drop_nodes()
         self.slots.drop_nodes()
