@@ -183,3 +183,13 @@ def test_a_pass_selector_for_the_next_pass_does_not_warn():
         loss.backward(retain_graph=True)
         loss.backward()
     assert cap.ops[0].grads[0].pass_number == 2
+
+
+def test_a_pass_selector_whose_passes_are_over_does_not_warn():
+    cap = bl.capture(model(), x, save_grads=bl.in_pass(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss = loss_of(cap.output)
+        for _ in range(3):
+            loss.backward(retain_graph=True)
+    assert [g.pass_number for g in cap.ops[0].grads] == [1]

@@ -56,9 +56,12 @@ class UnmatchedSelectorWarner:
 
 
     def _ruled_out(self, spec: Any, scope: Any, number: int) -> None:
-        """A pass the selector rules out: warn (once per selector) unless the next pass is one it allows."""
+        """A pass the selector rules out: warn (once per selector) when it allowed no pass so far and
+        does not allow the next one either."""
         if scope(number + 1) is not False or repr(spec) in self._ruled_out_warned:
             return
+        if any(scope(k) is not False for k in range(1, number)):
+            return  # it selected an earlier pass (bl.in_pass(1) during pass 2): nothing is amiss
         self._ruled_out_warned.add(repr(spec))
         first = next((k for k in range(number + 2, number + _LOOK_AHEAD) if scope(k) is not False), None)
         when = (f"it selects no pass before pass {first}" if first is not None
