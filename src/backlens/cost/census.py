@@ -15,12 +15,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from backlens import _torch
 from backlens.cost.checkpoint import recompute_probe
 from backlens.cost.counting import CountingMode
 from backlens.cost.formulas import op_name
 
 _current_node = _torch.current_autograd_node_function()
+_grad_enabled = torch.is_grad_enabled
 
 
 class BackwardCensus(CountingMode):
@@ -30,6 +33,8 @@ class BackwardCensus(CountingMode):
     node (``recomputed`` is None when the pass cannot tell). ``unattributed``:
     ``(func, flops)`` per call under no node. ``formula_errors``: formulas that
     raised (their calls are not counted, so the pass is not either).
+    ``aten``: ``(func, node, flops, grad_enabled)`` per call, every call, in
+    dispatch order (the pass's ``aten_ops``).
     """
 
     def __init__(self, create_graph: bool):
@@ -38,6 +43,7 @@ class BackwardCensus(CountingMode):
         self.charged: list[tuple[Any, Any, int, bool | None]] = []
         self.unattributed: list[tuple[Any, int]] = []
         self.formula_errors: list[str] = []
+        self.aten: list[tuple[Any, Any, int, bool]] = []
         self._recomputing = recompute_probe(create_graph)
         self.recompute_known = self._recomputing is not None
 
@@ -45,6 +51,7 @@ class BackwardCensus(CountingMode):
         self.aten_calls += 1
         node = _current_node()
         if counter is None:
+            self.aten.append((func, node, 0, _grad_enabled()))
             if node is None:
                 self.unattributed.append((func, 0))
             return
@@ -53,6 +60,7 @@ class BackwardCensus(CountingMode):
         except Exception as exc:  # noqa: BLE001 - a formula bug must not break the user's backward
             self.formula_errors.append(f"{op_name(func)}: {type(exc).__name__}: {exc}")
             return
+        self.aten.append((func, node, flops, _grad_enabled()))
         if node is None:
             self.unattributed.append((func, flops))
         elif flops:

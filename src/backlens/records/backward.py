@@ -13,6 +13,7 @@ import torch
 from backlens.capture.views import NodeView, entry_field
 from backlens.errors import LabelNotFoundError
 from backlens.graph.labels import call_label
+from backlens.records.aten import AtenOpList, aten_ops_of
 from backlens.records.base import Record, RecordList
 
 
@@ -182,6 +183,13 @@ class BackwardPass(Record):
     def calls(self) -> list[GradFnCall]:
         view = self._state.view
         return [view(GradFnCall, i) for i in self._entry.calls]
+
+    @property
+    def aten_ops(self) -> AtenOpList | None:
+        """Every ATen call the pass dispatched, in order (None when its FLOPs were not counted)."""
+        cost = self._state.cost
+        counted = cost.pass_cost(self._entry.number) if cost is not None else None
+        return aten_ops_of(self._state, counted.get("aten_ops") if counted is not None else None)
 
     def row(self) -> dict[str, Any]:
         error = self.error
