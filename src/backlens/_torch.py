@@ -274,3 +274,55 @@ CAPABILITIES = (
 def tensor_grad_descriptor() -> Any:
     """The descriptor behind ``Tensor.grad`` (None if torch moved it)."""
     return _tensor_grad_descriptor
+
+
+# checkpoint witness
+# Each torch.utils.checkpoint invocation in a captured forward is witnessed by
+# swapping, for the forward only, the module global that names the
+# non-reentrant checkpoint's saved-tensor hooks class (looked up at each call)
+# for a subclass, and by wrapping the reentrant checkpoint Function's forward.
+
+import torch.utils.checkpoint as _checkpoint_module  # noqa: E402 - grouped with what uses it
+
+_checkpoint_hook_class = getattr(_checkpoint_module, "_checkpoint_hook", None)
+_checkpoint_function = getattr(_checkpoint_module, "CheckpointFunction", None)
+
+HAS_CHECKPOINT_HOOK_CLASS = isinstance(_checkpoint_hook_class, type) and issubclass(
+    _checkpoint_hook_class, torch.autograd.graph.saved_tensors_hooks)
+HAS_REENTRANT_CHECKPOINT_FUNCTION = isinstance(_checkpoint_function, type) and isinstance(
+    _checkpoint_function.__dict__.get("forward"), staticmethod)
+
+CAPABILITIES = (
+    *CAPABILITIES,
+    Capability(
+        "HAS_CHECKPOINT_HOOK_CLASS",
+        HAS_CHECKPOINT_HOOK_CLASS,
+        "witnessing non-reentrant torch.utils.checkpoint invocations (cap.checkpoints)",
+        "cap.checkpoint_verdict is 'unknown': non-reentrant checkpoints cannot be seen",
+    ),
+    Capability(
+        "HAS_REENTRANT_CHECKPOINT_FUNCTION",
+        HAS_REENTRANT_CHECKPOINT_FUNCTION,
+        "witnessing reentrant torch.utils.checkpoint invocations (cap.checkpoints)",
+        "cap.checkpoint_verdict is 'unknown': reentrant checkpoints cannot be seen",
+    ),
+)
+
+
+def checkpoint_hook_class() -> type | None:
+    """torch's non-reentrant checkpoint saved-tensor hooks class (None when missing)."""
+    return _checkpoint_hook_class if HAS_CHECKPOINT_HOOK_CLASS else None
+
+
+def set_checkpoint_hook_class(cls: type) -> None:
+    """Make non-reentrant checkpoints started from now on use ``cls`` (a subclass, or the original)."""
+    _checkpoint_module._checkpoint_hook = cls
+
+
+def reentrant_checkpoint_forward() -> Any:
+    """The reentrant checkpoint Function's forward (None when missing)."""
+    return _checkpoint_function.__dict__["forward"].__func__ if HAS_REENTRANT_CHECKPOINT_FUNCTION else None
+
+
+def set_reentrant_checkpoint_forward(fn: Any) -> None:
+    _checkpoint_function.forward = staticmethod(fn)

@@ -24,6 +24,7 @@ from backlens.capture.interventions import ArmedEdits
 from backlens.capture.policy import GradPolicy
 from backlens.capture.state import CaptureState, InputEntry, ParamEntry
 from backlens.capture.unmatched import UnmatchedSelectorWarner, warn_if_no_activation_kept
+from backlens.cost.checkpoint_witness import CheckpointWitness
 from backlens.cost.forward_count import FlopForwardRecorder
 from backlens.cost.journal import CostJournal
 from backlens.cost.observer import FlopObserver
@@ -85,10 +86,11 @@ def capture(
     grad_enabled = torch.is_grad_enabled()
     inference_mode = torch.is_inference_mode_enabled()
 
+    witness = CheckpointWitness(state)
     recorder.attach(addresses, module_types)
     journal.seq_start = _torch.sequence_nr()
     try:
-        with recorder:
+        with witness, recorder:
             output = model(*args, **kwargs)
     finally:
         recorder.detach()
@@ -124,7 +126,7 @@ def capture(
         source_ids={id(p): i for i, p in enumerate(params.values())}
         | {id(t): source for (_name, t), source in zip(inputs, input_sources)},
         failures=PassFailures(),
-        observers=(([FlopObserver()] if flops else []) + [UnmatchedSelectorWarner()]) if live else [],
+        observers=(([FlopObserver()] if flops else []) + [UnmatchedSelectorWarner(), witness]) if live else [],
         edits=armed if armed.gradient else None,
         detect_nonfinite=detect_nonfinite,
     )

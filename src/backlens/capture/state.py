@@ -128,6 +128,7 @@ class CaptureState:
         self.extra_input_grads: list[tuple[int, torch.Tensor, int]] = []
         self.forward_edits: list[Any] = []
         self.cost: Any = None  # a CostJournal (backlens.cost.journal), None without one
+        self.checkpoints: Any = None  # a CheckpointJournal (backlens.cost.checkpoints), None: not witnessed
         self.store: TensorStore = store if store is not None else MemoryStore()
         self.inference_only = False
         self.inference_cause: str | None = None

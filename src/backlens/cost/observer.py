@@ -60,6 +60,10 @@ class FlopObserver:
         census = self._census[pass_.number] = BackwardCensus(create_graph=run.create_graph)
         return census
 
+    def census_of(self, number: int) -> BackwardCensus | None:
+        """The census of pass ``number`` while it runs."""
+        return self._census.get(number)
+
     def on_pass_close(self, state: Any, pass_: Any, error: BaseException | None) -> None:
         census = self._census.pop(pass_.number, None)
         calls = [state.calls[i] for i in pass_.calls]
