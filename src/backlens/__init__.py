@@ -10,7 +10,7 @@ from backlens._version import __version__
 from backlens.capturing import Capture, capture, load
 from backlens.derive.dispatch import derive
 from backlens.derive.record import DerivedGrads
-from backlens.edits import add_noise, clamp, clip_norm, grad, scale, when, zero_ablate
+from backlens.edits import add_noise, clamp, clip_norm, grad, keep_grad, scale, when, zero_ablate
 from backlens.errors import (
     AmbiguousGradError,
     BacklensError,
@@ -26,6 +26,7 @@ from backlens.errors import (
     NonFiniteGradError,
     OnceOnlyNodeError,
     OutOfOrderError,
+    ReplayError,
     SavedTensorModifiedError,
     TraceError,
     UnsupportedFrameworkError,
@@ -67,6 +68,7 @@ __all__ = [
     "NonFiniteGradError",
     "OnceOnlyNodeError",
     "OutOfOrderError",
+    "ReplayError",
     "SavedTensorModifiedError",
     "TraceError",
     "UnsupportedFrameworkError",
@@ -97,6 +99,7 @@ __all__ = [
     "clamp",
     "clip_norm",
     "grad",
+    "keep_grad",
     "scale",
     "when",
     "zero_ablate",

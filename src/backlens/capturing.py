@@ -22,6 +22,7 @@ from backlens.capture.backward import BackwardRecorder
 from backlens.capture.forward import ActivationPolicy, ForwardRecorder
 from backlens.capture.interventions import ArmedEdits
 from backlens.capture.policy import GradPolicy
+from backlens.capture.replay_record import ReplayRecording
 from backlens.capture.state import CaptureState, InputEntry, ParamEntry
 from backlens.capture.unmatched import UnmatchedSelectorWarner, warn_if_no_activation_kept
 from backlens.cost.checkpoint_witness import CheckpointWitness
@@ -78,6 +79,9 @@ def capture(
     )
     if armed.edits_module_outputs:
         recorder.module_output_hook = armed.module_hook
+    if recorder.activations.keeps_any:  # differentiable replay starts from kept activations
+        state.replay = ReplayRecording()
+        recorder.record_replay(state.replay)
     addresses, module_types, params, buffers = _walk_model(model)
     recorder.register_sources("param", params.items())
     recorder.register_sources("buffer", buffers.items())
@@ -95,7 +99,7 @@ def capture(
     finally:
         recorder.detach()
     journal.seq_end = _torch.sequence_nr()
-    recorder.finish()
+    recorder.finish(output)
     warn_if_no_activation_kept(save_activations, journal)
     if armed.any:
         armed.check_sites(journal)
@@ -293,20 +297,35 @@ class Capture(CaptureRecords):
             remedy="Pass the loss explicitly: cap.backward(loss).",
         )
 
-    def do(self, site: Any, edit: Any, inputs: Any = None, loss: Any = None) -> Capture:
+    def do(self, site: Any, edit: Any, inputs: Any = None, loss: Any = None, *,
+           differentiable: bool = False) -> Capture:
         """Rerun the forward with ``edit`` armed at ``site`` (and the backward when ``loss`` is given).
 
         Returns a new capture; this one is untouched. ``inputs`` replaces the
         original positional inputs (a tuple, or one tensor); ``loss`` is
-        ``lambda cap: tensor``.
+        ``lambda cap: tensor``. ``differentiable=True`` runs no model: it
+        replays the recorded ops downstream of ``site`` from the recorded
+        activations with ``edit`` applied, and returns a fork whose output
+        carries a fresh graph (docs/edits.md).
         """
         if self._rerun is None or self._model is None:
             raise CaptureClosedError("This capture cannot rerun its forward (closed or loaded from disk).")
         args, kwargs, options, intervene = self._rerun
-        if inputs is not None:
-            args = inputs if isinstance(inputs, tuple) else (inputs,)
-        armed = [*as_interventions(intervene), when(site, edit)]
-        new = capture(self._model, *args, intervene=armed, **options, **kwargs)
+        if differentiable:
+            if inputs is not None:
+                raise UnsupportedInputError(
+                    "cap.do(..., differentiable=True) replays the recorded run; it takes no new inputs.",
+                    code="replay_takes_no_inputs",
+                    remedy="Drop inputs=, or rerun with them: cap.do(site, edit, inputs=...).",
+                )
+            from backlens.replaying import replay_fork  # the fork is a layer above the capture
+
+            new = replay_fork(self, site, edit, options, intervene)
+        else:
+            if inputs is not None:
+                args = inputs if isinstance(inputs, tuple) else (inputs,)
+            armed = [*as_interventions(intervene), when(site, edit)]
+            new = capture(self._model, *args, intervene=armed, **options, **kwargs)
         if loss is not None:
             new.backward(loss(new))
         return new
