@@ -326,3 +326,17 @@ def reentrant_checkpoint_forward() -> Any:
 
 def set_reentrant_checkpoint_forward(fn: Any) -> None:
     _checkpoint_function.forward = staticmethod(fn)
+
+
+# compiled models
+
+
+def compiled_original(module: Any) -> torch.nn.Module | None:
+    """The module a ``torch.compile`` wrapper (dynamo's ``OptimizedModule``) compiles, else None.
+
+    Read by duck typing, so that ``import backlens`` never imports ``torch._dynamo``.
+    """
+    original = getattr(module, "_orig_mod", None)
+    if isinstance(original, torch.nn.Module) and type(module).__module__.startswith("torch._dynamo"):
+        return original
+    return None

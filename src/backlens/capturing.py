@@ -19,13 +19,15 @@ import torch
 from backlens import _torch
 from backlens._nested import iter_named_tensors, iter_tensors
 from backlens.capture.backward import BackwardRecorder
+from backlens.capture.compiled import NOT_COUNTED, is_opaque, original_module, run_opaque
+from backlens.capture.compiled import check_mode as check_compiled_mode
 from backlens.capture.forward import ActivationPolicy, ForwardRecorder
 from backlens.capture.interventions import ArmedEdits
 from backlens.capture.policy import GradPolicy
 from backlens.capture.replay_record import ReplayRecording
 from backlens.capture.state import CaptureState, InputEntry, ParamEntry
 from backlens.capture.unmatched import UnmatchedSelectorWarner, warn_if_no_activation_kept
-from backlens.cost.checkpoint_witness import CheckpointWitness
+from backlens.cost.checkpoint_witness import COMPILED_OPAQUE, CheckpointWitness
 from backlens.cost.forward_count import FlopForwardRecorder
 from backlens.cost.journal import CostJournal
 from backlens.cost.observer import FlopObserver
@@ -52,13 +54,15 @@ def capture(
     intervene: Any = (),
     backward: bool = True,
     detect_nonfinite: bool = False,
+    compiled: str = "eager",
     **kwargs: Any,
 ) -> Capture:
     """Run ``model(*args, **kwargs)`` once, record it, and arm backward capture.
 
     The user's graph is not changed: no clone or identity nodes are inserted,
     inputs are not copied, and gradients reach leaves and parameters exactly as
-    without backlens. See API.md §1 for every option.
+    without backlens. See API.md §1 for every option; ``compiled`` says how a
+    ``torch.compile`` model is captured (docs/capture.md).
     """
     if not isinstance(model, torch.nn.Module):
         refuse_other_framework(model, args, kwargs, "bl.capture")
@@ -67,6 +71,9 @@ def capture(
             code="not_a_module",
             remedy="Wrap the callable in an nn.Module (its forward calls the function) and capture that.",
         )
+    check_compiled_mode(compiled)
+    compiled_model, opaque = model, is_opaque(model, compiled)
+    model = original_module(model, compiled)  # a compiled model's own modules and parameters
     # The forward, recorded into the state's journal.
     state = CaptureState(make_store(storage))
     policy = GradPolicy(save_grads)
@@ -91,13 +98,17 @@ def capture(
     inference_mode = torch.is_inference_mode_enabled()
 
     witness = CheckpointWitness(state)
-    recorder.attach(addresses, module_types)
     journal.seq_start = _torch.sequence_nr()
-    try:
-        with witness, recorder:
-            output = model(*args, **kwargs)
-    finally:
-        recorder.detach()
+    if opaque:  # nothing of backlens in the forward: dynamo sees the model alone
+        witness.journal.add_reason(COMPILED_OPAQUE)
+        output = run_opaque(journal, compiled_model, args, kwargs)
+    else:
+        recorder.attach(addresses, module_types)
+        try:
+            with witness, recorder:
+                output = model(*args, **kwargs)
+        finally:
+            recorder.detach()
     journal.seq_end = _torch.sequence_nr()
     recorder.finish(output)
     warn_if_no_activation_kept(save_activations, journal)
@@ -130,7 +141,8 @@ def capture(
         source_ids={id(p): i for i, p in enumerate(params.values())}
         | {id(t): source for (_name, t), source in zip(inputs, input_sources)},
         failures=PassFailures(),
-        observers=(([FlopObserver()] if flops else []) + [UnmatchedSelectorWarner(), witness]) if live else [],
+        observers=(([FlopObserver(NOT_COUNTED if opaque else None)] if flops else [])
+                   + [UnmatchedSelectorWarner(), witness]) if live else [],
         edits=armed if armed.gradient else None,
         detect_nonfinite=detect_nonfinite,
     )
@@ -139,8 +151,9 @@ def capture(
     else:
         state.recorder.hooking = False  # no pass will open
     options = dict(save_grads=save_grads, save_activations=save_activations, flops=flops, timing=timing,
-                   backward=backward, detect_nonfinite=detect_nonfinite)
-    return Capture(state, output=output, model=model, rerun=(args, kwargs, options, intervene))
+                   backward=backward, detect_nonfinite=detect_nonfinite, compiled=compiled)
+    return Capture(state, output=output, model=compiled_model if opaque else model,
+                   rerun=(args, kwargs, options, intervene))
 
 
 def load(path: str | os.PathLike, *, verify: bool = True) -> LoadedCapture:
