@@ -188,6 +188,29 @@ def test_a_custom_function_downstream_of_the_site_is_refused_by_name():
     assert torch.equal(fork.output, cap.do("mul_1", bl.scale(2.0)).output)
 
 
+class HidesAnOp(nn.Module):
+    """Doubles its activation where no torch function mode sees it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        with torch._C.DisableTorchFunction():
+            hidden = h * 2
+        return self.b(hidden)
+
+
+def test_an_op_reading_a_tensor_no_recorded_op_made_is_refused_by_name():
+    torch.manual_seed(0)
+    cap = bl.capture(HidesAnOp(), torch.randn(2, 4), save_activations=True)
+    with pytest.raises(bl.ReplayError) as caught:
+        cap.do("relu_1", bl.scale(2.0), differentiable=True)
+    assert caught.value.code == "replay_op_unsupported" and "'linear_2'" in str(caught.value)
+
+
 def test_a_capture_with_armed_edits_is_refused():
     torch.manual_seed(0)
     cap = bl.capture(MLP(), torch.randn(4, 6), save_activations=True,
@@ -201,6 +224,13 @@ def test_a_replay_takes_no_new_inputs():
     _model, x, cap = mlp_capture()
     with pytest.raises(bl.UnsupportedInputError):
         cap.do("relu_1", bl.scale(2.0), inputs=x, differentiable=True)
+
+
+def test_a_closed_capture_cannot_replay():
+    _model, _x, cap = mlp_capture()
+    cap.close()
+    with pytest.raises(bl.CaptureClosedError):
+        cap.do("relu_1", bl.scale(2.0), differentiable=True)
 
 
 def test_an_unknown_site_names_close_labels():

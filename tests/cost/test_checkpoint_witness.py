@@ -199,7 +199,11 @@ def gpt2_checkpointed():
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config).train()
     plain = copy.deepcopy(model)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    non_reentrant = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers 5 renamed it
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=non_reentrant)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=non_reentrant)
     return model, plain
 
 

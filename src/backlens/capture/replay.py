@@ -153,12 +153,14 @@ class Replay:
     def _refuse_unreplayable(self) -> None:
         source, journal = self.source, self.source.journal
         replayed = set(self.replayed)
-        for index in self.replayed:
-            call = self.recording.calls[index]
-            if any(isinstance(item, Untracked) for item in _recorded_items(call)):
+        # A tensor with history that no recorded op made may depend on a site without a
+        # recorded path saying so: an op after the first site that reads one cannot be replayed.
+        for index in range(min(self.sites), len(self.recording.calls)):
+            if any(isinstance(item, Untracked) for item in _recorded_items(self.recording.calls[index])):
                 raise ReplayError(
                     f"Op {journal.ops[index].label!r} cannot be replayed: it read a tensor with autograd "
-                    "history that no recorded op made (made by code the recorder does not see).",
+                    "history that no recorded op made (made by code the recorder does not see), so what "
+                    "it depends on is unknown.",
                     code="replay_op_unsupported",
                     remedy="Edit a site after that op, or rerun the model: cap.do(site, edit) without "
                     "differentiable=True.",
@@ -203,7 +205,15 @@ class Replay:
         func = source_op.func
         with torch.set_grad_enabled(call.grad_enabled):
             before = _sequence_nr()
-            out = func(*args, **kwargs)
+            try:
+                out = func(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - named in model terms, torch's text kept
+                raise ReplayError(
+                    f"Replaying op {source_op.label!r} failed: {type(exc).__name__}: {exc}",
+                    code="replay_op_failed",
+                    remedy="Edit a site after that op, or rerun the model: cap.do(site, edit) without "
+                    "differentiable=True.",
+                ) from exc
             after = _sequence_nr()
         if isinstance(out, Tensor):
             outputs = [out]

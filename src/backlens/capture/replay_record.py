@@ -16,6 +16,7 @@ anyway); one with history is noted as :class:`Untracked` and cannot be replayed.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +67,8 @@ class ReplayRecording:
         self.output: list[Any] = []  # the model output's tensors in reading order (refs)
         self._ids: dict[int, int] | None = None
         self._positions: dict[int, int] = {}  # id(tensor) -> its position among a multi-output op's outputs
+        # id(op output) -> a weak reference to it: an id the table holds may be a dead tensor's, reused.
+        self._alive: dict[int, Any] = {}
 
     def start(self, ids: dict[int, int]) -> None:
         """Read tensor origins from the forward recorder's table (id -> op index or -1 - source)."""
@@ -74,13 +77,15 @@ class ReplayRecording:
     def record(self, index: int, args: tuple, kwargs: dict | None, outputs: Any, primary: Tensor) -> None:
         """Op ``index``'s call, before its outputs enter the table."""
         self.calls.append(OpCall(self._refs(args), self._refs(kwargs) if kwargs else {}, _grad_enabled()))
-        positions = self._positions
+        positions, alive = self._positions, self._alive
         if outputs is None:
             positions.pop(id(primary), None)
+            alive[id(primary)] = weakref.ref(primary)
         else:
             for position, item in enumerate(outputs):
                 if isinstance(item, Tensor):
                     positions[id(item)] = position
+                    alive[id(item)] = weakref.ref(item)
 
     def keep_other_outputs(self, index: int, outputs: Any) -> None:
         """Activations of a multi-output op's outputs after the first (its activation is kept)."""
@@ -98,12 +103,17 @@ class ReplayRecording:
         self.output = [self._ref(t) for t in iter_tensors(output)]
         self._ids = None
         self._positions = {}
+        self._alive = {}
 
     # -- references ----------------------------------------------------------
     def _ref(self, tensor: Tensor) -> Any:
         found = self._ids.get(id(tensor))
+        if found is not None and found < 0:
+            return TensorRef(found)  # a source: alive through the forward, so its id is its own
         if found is not None:
-            return TensorRef(found, self._positions.get(id(tensor), 0) if found >= 0 else 0)
+            held = self._alive.get(id(tensor))
+            if held is not None and held() is tensor:
+                return TensorRef(found, self._positions.get(id(tensor), 0))
         if tensor.grad_fn is not None:
             return Untracked(tuple(tensor.shape))
         return tensor  # a constant (no history): held as it is

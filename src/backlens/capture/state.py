@@ -215,6 +215,7 @@ class CaptureState:
         self.table.clear()
         self.journal.drop_nodes()
         self.slots.drop_nodes()
+        self.replay = None  # replay needs the model, which a closed capture lets go of
         self.closed = True
 
     def __del__(self) -> None:

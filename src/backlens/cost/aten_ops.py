@@ -13,20 +13,21 @@ from collections.abc import Callable
 from typing import Any
 
 
-def aten_columns(aten: list[tuple[Any, Any, int, bool]], call_of: Callable[[Any], int | None]) -> dict[str, list]:
-    """``{"names", "op", "call", "flops", "grad_enabled"}`` for the calls in ``aten``.
+def aten_columns(aten: tuple[list, list, list[int], list[bool]],
+                 call_of: Callable[[Any], int | None]) -> dict[str, list]:
+    """``{"names", "op", "call", "flops", "grad_enabled"}`` for the census's calls.
 
-    ``call_of(node)``: the position of that autograd node's call entry in this pass, or None.
+    ``aten``: its columns ``(funcs, nodes, flops, grad_enabled)``; ``call_of(node)``:
+    the position of that autograd node's call entry in this pass, or None.
     """
+    funcs, nodes, flops, grad_enabled = aten
     names: dict[str, int] = {}
     name_of: dict[Any, int] = {}
-    op, call, flops, grad_enabled = [], [], [], []
-    for func, node, count, enabled in aten:
+    op = []
+    for func in funcs:
         index = name_of.get(func)
         if index is None:
             index = name_of[func] = names.setdefault(str(func), len(names))
         op.append(index)
-        call.append(call_of(node) if node is not None else None)
-        flops.append(count)
-        grad_enabled.append(enabled)
-    return {"names": list(names), "op": op, "call": call, "flops": flops, "grad_enabled": grad_enabled}
+    call = [call_of(node) if node is not None else None for node in nodes]
+    return {"names": list(names), "op": op, "call": call, "flops": list(flops), "grad_enabled": list(grad_enabled)}
