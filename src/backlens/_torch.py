@@ -310,8 +310,11 @@ CAPABILITIES = (
 
 
 def checkpoint_hook_class() -> type | None:
-    """torch's non-reentrant checkpoint saved-tensor hooks class (None when missing)."""
-    return _checkpoint_hook_class if HAS_CHECKPOINT_HOOK_CLASS else None
+    """The non-reentrant checkpoint saved-tensor hooks class checkpoints use now (None when missing)."""
+    if not HAS_CHECKPOINT_HOOK_CLASS:
+        return None
+    current = getattr(_checkpoint_module, "_checkpoint_hook", None)
+    return current if isinstance(current, type) and issubclass(current, _checkpoint_hook_class) else None
 
 
 def set_checkpoint_hook_class(cls: type) -> None:
@@ -320,8 +323,11 @@ def set_checkpoint_hook_class(cls: type) -> None:
 
 
 def reentrant_checkpoint_forward() -> Any:
-    """The reentrant checkpoint Function's forward (None when missing)."""
-    return _checkpoint_function.__dict__["forward"].__func__ if HAS_REENTRANT_CHECKPOINT_FUNCTION else None
+    """The reentrant checkpoint Function's forward as it is now (None when missing)."""
+    if not HAS_REENTRANT_CHECKPOINT_FUNCTION:
+        return None
+    current = _checkpoint_function.__dict__.get("forward")
+    return current.__func__ if isinstance(current, staticmethod) else None
 
 
 def set_reentrant_checkpoint_forward(fn: Any) -> None:
