@@ -57,6 +57,36 @@ def test_the_fork_replays_only_the_ops_downstream_of_the_site_under_their_labels
     assert application.site == "relu_1" and application.op == "relu_1" and application.edit == "scale(2.0)"
 
 
+class Gated(nn.Module):
+    """A multi-output op whose second output a replayed op reads directly."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x):
+        a, b = self.inp(x).chunk(2, dim=-1)
+        return self.out(torch.relu(a) * b)
+
+
+def test_a_frontier_value_that_is_a_later_output_of_a_multi_output_op_is_a_leaf_of_its_own():
+    torch.manual_seed(0)
+    model = Gated()
+    x = torch.randn(3, 4)
+    cap = bl.capture(model, x, save_activations=True)
+    fork = cap.do("relu_1", bl.scale(3.0), differentiable=True)
+    assert torch.equal(fork.output, cap.do("relu_1", bl.scale(3.0)).output)
+    assert set(fork.frontier) == {"relu_1", "chunk_1[1]"}
+    fork.backward(fork.output.sum())
+    twin = copy.deepcopy(model)
+    relu = cap.ops["relu_1"].activation.detach().requires_grad_()
+    b = twin.inp(x).chunk(2, dim=-1)[1].detach().requires_grad_()
+    twin.out(relu * 3.0 * b).sum().backward()
+    assert torch.equal(fork.frontier["relu_1"].grad, relu.grad)
+    assert torch.equal(fork.frontier["chunk_1[1]"].grad, b.grad)
+
+
 def test_no_model_runs_during_a_replay():
     model, _x, cap = mlp_capture()
     calls = []
@@ -146,6 +176,15 @@ def test_a_capture_that_kept_no_activations_cannot_replay():
     with pytest.raises(bl.ReplayError) as caught:
         cap.do("relu_1", bl.scale(2.0), differentiable=True)
     assert caught.value.code == "replay_no_activation" and "relu_1" in str(caught.value)
+    assert "save_activations=True" in caught.value.remedy
+
+
+def test_a_module_site_on_a_capture_that_kept_no_activations_is_refused_the_same_way():
+    torch.manual_seed(0)
+    cap = bl.capture(MLP(), torch.randn(4, 6))
+    with pytest.raises(bl.ReplayError) as caught:
+        cap.do("net.1", bl.scale(2.0), differentiable=True)
+    assert caught.value.code == "replay_no_activation" and "net.1" in str(caught.value)
 
 
 def test_a_missing_activation_at_the_frontier_is_named():

@@ -57,17 +57,26 @@ def find_sites(state: CaptureState, interventions: list[Intervention]) -> dict[i
 
     Gradient sites are refused: a replay has no backward of the source run to edit.
     """
+    for intervention in interventions:
+        if any(part.gradient for part in intervention.site.parts()):
+            raise ReplayError(
+                f"Gradient edit {intervention!r} cannot be replayed: differentiable replay reruns forward "
+                "ops, and the gradient at a site belongs to a backward pass of the fork.",
+                code="replay_gradient_edit_unsupported",
+                remedy="Replay an activation edit, then arm the gradient edit on a rerun: "
+                "cap.do(bl.grad(site), edit, loss=...) without differentiable=True.",
+            )
+    if state.replay is None:
+        raise ReplayError(
+            f"Cannot replay from {interventions[-1].site!r}: this capture kept no activations "
+            "(save_activations=False), so there is no recorded activation at the frontier and no recorded "
+            "op calls.",
+            code="replay_no_activation",
+            remedy="Capture with save_activations=True (or a selector that keeps the frontier ops).",
+        )
     sites: dict[int, ReplaySite] = {}
     for intervention in interventions:
         for part in intervention.site.parts():
-            if part.gradient:
-                raise ReplayError(
-                    f"Gradient edit {intervention!r} cannot be replayed: differentiable replay reruns forward "
-                    "ops, and the gradient at a site belongs to a backward pass of the fork.",
-                    code="replay_gradient_edit_unsupported",
-                    remedy="Replay an activation edit, then arm the gradient edit on a rerun: "
-                    "cap.do(bl.grad(site), edit, loss=...) without differentiable=True.",
-                )
             for target in part.targets:
                 text = target if isinstance(target, str) else repr(target)
                 for op in _ops_of_target(state, target):
@@ -92,7 +101,7 @@ def _ops_of_target(state: CaptureState, target: Any) -> list[int]:
         raise label_not_found("op or module", target, labels)
     found = []
     for call in calls:
-        ref = state.replay.module_outputs.get(call.index) if state.replay is not None else None
+        ref = state.replay.module_outputs.get(call.index)
         if ref is None or ref.index < 0 or ref.position != 0:
             raise ReplayError(
                 f"Module call {call.address!r} returned no tensor a recorded op made first, so there is "
@@ -115,16 +124,7 @@ class Replay:
         self.source = source
         self.sites = sites
         self._tensor_of_source = tensors_of_source
-        recording = source.replay
-        if recording is None:
-            first = source.journal.ops[min(sites)].label
-            raise ReplayError(
-                f"Cannot replay from {first!r}: this capture kept no activations (save_activations=False), "
-                "so there is no recorded activation at the frontier and no recorded op calls.",
-                code="replay_no_activation",
-                remedy="Capture with save_activations=True (or a selector that keeps the frontier ops).",
-            )
-        self.recording = recording
+        self.recording = source.replay
         self.replayed = self._downstream()
         self._refuse_unreplayable()
         self.fork = CaptureState()
