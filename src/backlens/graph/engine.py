@@ -70,6 +70,8 @@ _participants: list[weakref.ref] = []
 _runs_by_task: dict[int, Run] = {}
 _local = threading.local()
 _lock = threading.RLock()
+# Told of every run (its trigger and whether it retains the graph) before it starts.
+_observers: list[Any] = []
 
 
 
@@ -79,6 +81,19 @@ def arm(participant: Participant) -> None:
     with _lock:
         if participant not in _live_participants():
             _participants.append(weakref.ref(participant))
+
+
+def observe(observer: Any) -> None:
+    """Call ``observer(trigger, retain_graph)`` before every engine run (installs the wrapper once)."""
+    _torch.install_engine_wrapper(_make_wrapper)
+    with _lock:
+        _observers.append(observer)
+
+
+def unobserve(observer: Any) -> None:
+    with _lock:
+        if observer in _observers:
+            _observers.remove(observer)
 
 
 def disarm(participant: Participant) -> None:
@@ -107,6 +122,8 @@ def set_trigger_override(name: str | None) -> None:
 
 def _make_wrapper(original):
     def run_engine(t_outputs, *args, **kwargs):
+        if _observers:
+            _notify(args, kwargs)
         if not _participants:
             return original(t_outputs, *args, **kwargs)
         run = _open_explicit_run(t_outputs, args, kwargs)
@@ -137,6 +154,14 @@ def _make_wrapper(original):
         return result
 
     return run_engine
+
+
+def _notify(args, kwargs) -> None:
+    trigger = _trigger_name(_arg(args, kwargs, 5, "accumulate_grad", True))
+    retain = _arg(args, kwargs, 1, "retain_graph", None)
+    create = bool(_arg(args, kwargs, 2, "create_graph", False))
+    for observer in list(_observers):
+        observer(trigger, bool(retain) if retain is not None else create)
 
 
 def _forget(run: Run, pending: list[Run]) -> None:

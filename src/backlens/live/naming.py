@@ -98,3 +98,16 @@ def _local_names(value: Any, frame: types.FrameType | None) -> list[str]:
     except Exception:
         return []
     return [name for name, v in items if v is value and not name.startswith("__backlens_")]
+
+
+def spelled_path(model: Any, dotted: str) -> str:
+    """A module path as a user types it through a lens: ``transformer.h.1`` -> ``transformer.h[1]``."""
+    from torch import nn
+
+    spelled = ""
+    module = model
+    for part in dotted.split(".") if dotted else []:
+        indexed = isinstance(module, (nn.Sequential, nn.ModuleList)) and part.lstrip("-").isdigit()
+        spelled += f"[{part}]" if indexed else (f".{part}" if spelled else part)
+        module = getattr(module, "_modules", {}).get(part)
+    return spelled

@@ -86,6 +86,27 @@ def put(full: Any, part: Any, rows: Rows | None, batch: int, site: str) -> Any:
     raise _mismatch(site, full, part, rows)
 
 
+def put_gradient(full: torch.Tensor, part: Any, rows: Rows | None, batch: int, site: str) -> torch.Tensor:
+    """A gradient with ``rows`` replaced by ``part``; the whole of it when ``rows`` is None.
+
+    The autograd engine only takes a replacement of the gradient's own shape,
+    so a whole replacement is checked here, where the user set it.
+    """
+    if rows is not None:
+        return put(full, part, rows, batch, site)
+    if not isinstance(part, torch.Tensor) or tuple(part.shape) != tuple(full.shape):
+        what = f"a tensor of shape {list(part.shape)}" if isinstance(part, torch.Tensor) else f"a {type(part).__name__}"
+        raise TraceError(
+            f"the value set for {site} is {what}, but the gradient is a tensor of shape "
+            f"{list(full.shape)}; a gradient can only be replaced with a tensor of its own shape.",
+            code="replacement_mismatch",
+            remedy="Build the replacement from the gradient you read (for example h.grad * 2), so it keeps its shape.",
+        )
+    if part.dtype != full.dtype or part.device != full.device:
+        part = part.to(dtype=full.dtype, device=full.device)
+    return part
+
+
 def _same_plain(a: Any, b: Any) -> bool:
     try:
         return bool(a == b)

@@ -1,0 +1,265 @@
+"""Compiling a ``with`` body into a function that behaves as the body would in place.
+
+The body becomes ``def <caller's name>(ns, locals): ...`` compiled under the
+user's file name and line numbers (tracebacks point at the user's lines),
+with the caller's real globals. Its first lines bind each name the body uses
+that the caller has as a variable right now (a copy: only saved values go
+back). What Python would do differently in place is restored here:
+
+* names declared ``global`` in the enclosing scope are declared ``global`` in
+  the function, so the body reads and writes the module's variable;
+* names declared ``nonlocal`` there are copied in and always written back;
+* inside a class the function is compiled in a class of the same name, so
+  private names are mangled as in place (``self.__x``), and zero-argument
+  ``super()`` gets the enclosing method's ``__class__`` cell and its first
+  argument;
+* names that other blocks of the same trace bind, and the caller does not
+  have yet, are locals of the function (unbound until a barrier hands them
+  over), where a plain function would look them up as globals.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import sys
+import types
+from dataclasses import dataclass
+from typing import Any
+
+from backlens.errors import TraceError
+from backlens.live.source import BlockSource
+
+# Every name the generated wrapper adds starts with this prefix and ends in
+# two underscores (never mangled), so it cannot collide with a user name.
+_PREFIX = "__backlens_"
+_NS = _PREFIX + "ns__"
+_LOCALS = _PREFIX + "locals__"
+_FUNC = _PREFIX + "block__"
+_NO_FIRST = object()
+
+_codes: dict[tuple[Any, ...], types.CodeType] = {}
+_checked: dict[tuple[str, int, int], int] = {}
+
+
+@dataclass(eq=False)
+class CompiledBody:
+    """A body ready to run: ``run()`` returns its final local variables."""
+
+    fn: types.FunctionType
+    namespace: dict[str, Any]
+    first: Any
+    assigned: frozenset[str]  # as the final locals spell them (mangled)
+    writeback: frozenset[str]  # names written back to the caller whether saved or not
+    source: BlockSource
+
+    @property
+    def code(self) -> types.CodeType:
+        return self.fn.__code__
+
+    def run(self) -> dict[str, Any]:
+        if self.first is _NO_FIRST:
+            return self.fn(self.namespace, locals)
+        return self.fn(self.first, self.namespace, locals)
+
+
+def _mangler(class_name: str | None) -> Any:
+    stripped = class_name.lstrip("_") if class_name else ""
+    if not stripped:
+        return lambda name: name
+
+    def mangle(name: str) -> str:
+        if name.startswith("__") and not name.endswith("__") and "." not in name:
+            return f"_{stripped}{name}"
+        return name
+
+    return mangle
+
+
+def check(block: BlockSource, what: str) -> None:
+    """Raise the error compiling this body would raise (once per block)."""
+    key = (block.filename, block.with_line, id(block.body[0]))
+    if _checked.get(key) == id(block):
+        return
+    _compile(block, (), (), None, False, "<check>", "<check>", what)
+    if len(_checked) > 4096:
+        _checked.clear()
+    _checked[key] = id(block)
+
+
+def compile_body(block: BlockSource, frame: types.FrameType, what: str) -> CompiledBody:
+    """The block's body as a function over the caller's variables right now."""
+    caller_locals = frame.f_locals
+    mangle = _mangler(block.class_name)
+    uses_super = block.class_name is not None and ("super" in block.names or "__class__" in block.names)
+    first = block.first_param if uses_super and block.in_function else None
+    first_value = _NO_FIRST
+    if first is not None:
+        first_value = caller_locals.get(mangle(first), _NO_FIRST)
+        if first_value is _NO_FIRST:
+            first = None
+    present = tuple(
+        name for name in block.names if name != first and mangle(name) in caller_locals and name != "__class__"
+    )
+    namespace = {mangle(name): caller_locals[mangle(name)] for name in present}
+    unbound = tuple(
+        sorted(name for name in block.shared if name in block.names and name not in block.assigned and name not in present)
+    )
+    class_cell = uses_super and "__class__" in caller_locals
+    code_name = frame.f_code.co_name
+    qualname = getattr(frame.f_code, "co_qualname", code_name)
+    key = (block.filename, block.with_line, id(block.body[0]), present, unbound, first, class_cell, code_name, qualname)
+    code = _codes.get(key)
+    if code is None:
+        code = _compile(block, present, unbound, first, class_cell, code_name, qualname, what)
+        if len(_codes) > 4096:
+            _codes.clear()
+        _codes[key] = code
+    closure = None
+    if code.co_freevars:
+        cell = types.CellType(caller_locals["__class__"]) if class_cell else types.CellType()
+        closure = tuple(cell if name == "__class__" else types.CellType() for name in code.co_freevars)
+    fn = types.FunctionType(code, frame.f_globals, code_name, None, closure)
+    return CompiledBody(
+        fn=fn,
+        namespace=namespace,
+        first=first_value,
+        assigned=frozenset(mangle(name) for name in block.assigned),
+        writeback=frozenset(mangle(name) for name in block.declared_nonlocal & block.assigned),
+        source=block,
+    )
+
+
+def _compile(
+    block: BlockSource,
+    present: tuple[str, ...],
+    unbound: tuple[str, ...],
+    first: str | None,
+    class_cell: bool,
+    name: str,
+    qualname: str,
+    what: str,
+) -> types.CodeType:
+    mangle = _mangler(block.class_name)
+    line = block.with_line
+    where = {"lineno": line, "col_offset": 0, "end_lineno": line, "end_col_offset": 0}
+    prologue: list[ast.stmt] = []
+    declared = sorted(block.declared_global & _identifiers(block.body))
+    if declared:
+        prologue.append(ast.Global(names=declared, **where))
+    for var in present:
+        prologue.append(
+            ast.Assign(
+                targets=[ast.Name(id=var, ctx=ast.Store(), **where)],
+                value=ast.Subscript(
+                    value=ast.Name(id=_NS, ctx=ast.Load(), **where),
+                    slice=ast.Constant(value=mangle(var), **where),
+                    ctx=ast.Load(),
+                    **where,
+                ),
+                **where,
+            )
+        )
+    if unbound:
+        # Never runs; makes the names locals, so a barrier can bind them.
+        prologue.append(
+            ast.If(
+                test=ast.Constant(value=False, **where),
+                body=[
+                    ast.Assign(
+                        targets=[ast.Name(id=var, ctx=ast.Store(), **where) for var in unbound],
+                        value=ast.Constant(value=None, **where),
+                        **where,
+                    )
+                ],
+                orelse=[],
+                **where,
+            )
+        )
+    epilogue = ast.Return(
+        value=ast.Call(func=ast.Name(id=_LOCALS, ctx=ast.Load(), **where), args=[], keywords=[], **where),
+        lineno=block.last_line,
+        col_offset=0,
+        end_lineno=block.last_line,
+        end_col_offset=0,
+    )
+    params = ([first] if first is not None else []) + [_NS, _LOCALS]
+    header = f"def {_FUNC}({', '.join(params)}):\n    pass\n"
+    if block.class_name is not None:
+        indented = "".join("    " + text for text in header.splitlines(True))
+        template = ast.parse(f"class {block.class_name}:\n{indented}")
+        func = template.body[0].body[0]  # type: ignore[attr-defined]
+    else:
+        template = ast.parse(header)
+        func = template.body[0]
+    assert isinstance(func, ast.FunctionDef)
+    func.body = [*prologue, *_without_declarations(block.body), epilogue]
+    for node in ast.walk(template):
+        if node is func or node in func.args.args or node is func.args or node in template.body:
+            node.lineno, node.col_offset = line, 0  # type: ignore[attr-defined]
+            node.end_lineno, node.end_col_offset = line, 0  # type: ignore[attr-defined]
+    try:
+        module_code = compile(template, block.filename, "exec", dont_inherit=True)
+    except SyntaxError as exc:
+        raise TraceError(
+            f"the body of the {what} block at {block.where} cannot run on its own: {exc.msg} "
+            f"(line {exc.lineno}). `break` and `continue` cannot reach outside it.",
+            code="unsupported_statement",
+            remedy="Keep control flow that leaves the block outside the with statement.",
+        ) from None
+    code = _function_code(module_code)
+    # Tracebacks then read like the user's own function.
+    if sys.version_info >= (3, 11):
+        return code.replace(co_name=name, co_qualname=qualname)
+    return code.replace(co_name=name)
+
+
+def _function_code(code: types.CodeType) -> types.CodeType:
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            if const.co_name == _FUNC:
+                return const
+            found = _function_code(const)
+            if found is not None:
+                return found
+    return None  # type: ignore[return-value]
+
+
+def _identifiers(body: tuple[ast.stmt, ...]) -> set[str]:
+    return {node.id for stmt in body for node in ast.walk(stmt) if isinstance(node, ast.Name)}
+
+
+def _without_declarations(body: tuple[ast.stmt, ...]) -> list[ast.stmt]:
+    """The body with its own ``global``/``nonlocal`` statements removed (the function declares them)."""
+    if not any(_declares(stmt) for stmt in body):
+        return list(body)
+    return [_strip(copy.deepcopy(stmt)) for stmt in body]
+
+
+def _declares(node: ast.AST) -> bool:
+    stack = [node]
+    while stack:
+        sub = stack.pop()
+        if isinstance(sub, (ast.Global, ast.Nonlocal)):
+            return True
+        if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            continue
+        stack.extend(ast.iter_child_nodes(sub))
+    return False
+
+
+class _Strip(ast.NodeTransformer):
+    def visit_Global(self, node: ast.Global) -> ast.AST:
+        return ast.copy_location(ast.Pass(), node)
+
+    def visit_Nonlocal(self, node: ast.Nonlocal) -> ast.AST:
+        return ast.copy_location(ast.Pass(), node)
+
+    def _keep(self, node: ast.AST) -> ast.AST:
+        return node  # a nested scope's declarations are its own
+
+    visit_FunctionDef = visit_AsyncFunctionDef = visit_Lambda = visit_ClassDef = _keep
+
+
+def _strip(stmt: ast.stmt) -> ast.stmt:
+    return _Strip().visit(stmt)
