@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from backlens.errors import TraceError
-from backlens.live.source import BlockSource
+from backlens.live.source import BlockSource, ast_lock
 
 # Every name the generated wrapper adds starts with this prefix and ends in
 # two underscores (never mangled), so it cannot collide with a user name.
@@ -81,7 +81,8 @@ def check(block: BlockSource, what: str) -> None:
     key = (block.filename, block.with_line, id(block.body[0]))
     if _checked.get(key) == id(block):
         return
-    _compile(block, (), (), None, False, "<check>", "<check>", what)
+    with ast_lock:
+        _compile(block, (), (), None, False, "<check>", "<check>", what)
     if len(_checked) > 4096:
         _checked.clear()
     _checked[key] = id(block)
@@ -111,7 +112,8 @@ def compile_body(block: BlockSource, frame: types.FrameType, what: str) -> Compi
     key = (block.filename, block.with_line, id(block.body[0]), present, unbound, first, class_cell, code_name, qualname)
     code = _codes.get(key)
     if code is None:
-        code = _compile(block, present, unbound, first, class_cell, code_name, qualname, what)
+        with ast_lock:
+            code = _compile(block, present, unbound, first, class_cell, code_name, qualname, what)
         if len(_codes) > 4096:
             _codes.clear()
         _codes[key] = code

@@ -107,6 +107,7 @@ class ForwardRun:
         self._handles: list[Any] = []
         self._pre_hooked: set[nn.Module] = set()
         self._arrived: dict[Barrier, list[Mediator]] = {}
+        self._injected: dict[Mediator, dict[str, Any]] = {}  # what barriers handed each body
 
     # -- what bodies ask for (body side) ---------------------------------------
     def value_for(self, mediator: Mediator, module: nn.Module, address: str, kind: str) -> Event:
@@ -182,6 +183,7 @@ class ForwardRun:
             self._sites.clear()
             self._waiting.clear()
             self._arrived.clear()
+            self._injected.clear()
         if failed is not None:
             raise failed
         if error is not None:
@@ -289,6 +291,7 @@ class ForwardRun:
             if frame is None:
                 continue
             copied = mediator.body.namespace if mediator.body is not None else {}
+            injected = self._injected.setdefault(mediator, {})
             updates: dict[str, Any] = {}
             for other, _, theirs in frames:
                 if other is mediator:
@@ -297,9 +300,11 @@ class ForwardRun:
                 for name, value in theirs.items():
                     if name not in bound or name.startswith("__backlens_"):
                         continue
-                    if name in own and own[name] is not copied.get(name, _UNSET):
+                    mine = own.get(name, _UNSET)
+                    if mine is not _UNSET and mine is not copied.get(name, _UNSET) and mine is not injected.get(name, _UNSET):
                         continue  # bound by this body itself
                     updates[name] = value
+            injected.update(updates)
             write_locals(frame, updates)
 
     def _check_barriers(self) -> None:
@@ -336,7 +341,7 @@ class ForwardRun:
             return f"waits at {pending.barrier}"
         if isinstance(pending, tuple):
             return f"waits for {self.site_name(pending)}"
-        return "has not started"
+        return "has not run yet"
 
     # -- hooks (the driver's coroutine) -----------------------------------------
     def on_output(self, module: nn.Module, output: Any) -> Any:

@@ -4,7 +4,7 @@ A trace, an invoke and a backward block are all ``with`` statements whose
 body backlens runs itself. Everything here is decided from the source: the
 caller's file (or notebook cell, or ``python -c`` command) is read through
 ``linecache`` and parsed once with ``ast``; a call is recognised as a
-``with`` expression by matching the calling instruction's source span
+``with`` expression by matching the calling instruction's source position
 against the with items (no bytecode is read); and the facts that make a
 compiled body behave as it would in place are collected from the enclosing
 scopes: ``global``/``nonlocal`` declarations, the enclosing class (private
@@ -18,6 +18,7 @@ import ast
 import linecache
 import os
 import sys
+import threading
 import types
 from dataclasses import dataclass
 from typing import Any
@@ -80,7 +81,7 @@ class _Scope:
 class _FileIndex:
     lines: list[str]
     headers: dict[int, list[ast.With]]  # line -> With nodes whose header covers it
-    items: dict[tuple[int, int, int, int], ast.With]  # span of a with item's call -> its With
+    items: dict[tuple[int, int], ast.With]  # where a with item's call ends -> its With
     scopes: dict[int, _Scope]  # id(With) -> its scope
     tree: ast.Module
 
@@ -89,6 +90,10 @@ _files: dict[str, _FileIndex] = {}
 _blocks: dict[tuple[str, int, int], BlockSource] = {}
 _declarations: dict[int, tuple[ast.AST, frozenset[str], frozenset[str]]] = {}
 _command: list[str] | None = None
+# CPython (3.11-3.12) keeps the AST converter's recursion depth per interpreter,
+# not per thread: parsing or compiling ASTs in two threads at once can fail
+# ("AST constructor recursion depth mismatch"). Both happen once per source.
+ast_lock = threading.Lock()
 
 
 def _no_source(filename: str, what: str) -> TraceError:
@@ -136,7 +141,8 @@ def _index(filename: str, lines: list[str], what: str) -> _FileIndex:
     if cached is not None and cached.lines is lines:
         return cached
     try:
-        tree = ast.parse("".join(lines), filename)
+        with ast_lock:
+            tree = ast.parse("".join(lines), filename)
     except SyntaxError as exc:
         raise TraceError(
             f"{what} could not parse {filename!r} to find its with block: {exc}",
@@ -165,8 +171,7 @@ def _scan(node: ast.AST, index: _FileIndex, function: ast.AST | None, class_name
             for item in child.items:
                 expr = item.context_expr
                 if isinstance(expr, ast.Call):
-                    span = (expr.lineno, expr.end_lineno or expr.lineno, expr.col_offset, expr.end_col_offset or 0)
-                    index.items[span] = child
+                    index.items[(expr.end_lineno or expr.lineno, expr.end_col_offset or 0)] = child
             _scan(child, index, function, class_name, outer or child)
         else:
             _scan(child, index, function, class_name, outer)
@@ -184,9 +189,9 @@ def with_item_at(frame: types.FrameType, attr: str, what: str, need_source: bool
     """The ``with`` statement whose item is the call ``frame`` is making.
 
     ``attr`` is the called method's name (``backward``, ``trace``,
-    ``invoke``). The calling instruction's source span is the call
-    expression's span, so the match is exact; cached per code object and
-    instruction. None when the call is not a ``with`` item; the error to
+    ``invoke``). The calling instruction's source position ends where
+    the call expression ends, so the match is exact; cached per code object
+    and instruction. None when the call is not a ``with`` item; the error to
     raise when it is one whose body cannot run (or, with ``need_source``,
     when there is no source to tell).
     """
@@ -222,16 +227,19 @@ def _find_item(frame: types.FrameType, attr: str, what: str, need_source: bool) 
             raise
         return None
     span = _call_span(frame)
-    if span is None or None in span:
+    if span is None or span[1] is None or span[3] is None:
         return None
-    node = index.items.get(span)  # type: ignore[arg-type]
+    # A call ends at its own closing parenthesis, so where it ends names it (its
+    # start is the attribute's position when the call spans several lines).
+    end = (span[1], span[3])
+    node = index.items.get(end)
     if node is None:
         return None
     for item in node.items:
         expr = item.context_expr
         if (
             isinstance(expr, ast.Call)
-            and (expr.lineno, expr.end_lineno, expr.col_offset, expr.end_col_offset) == span
+            and (expr.end_lineno, expr.end_col_offset) == end
             and isinstance(expr.func, ast.Attribute)
             and expr.func.attr == attr
         ):
