@@ -70,7 +70,7 @@ _participants: list[weakref.ref] = []
 _runs_by_task: dict[int, Run] = {}
 _local = threading.local()
 _lock = threading.RLock()
-# Told of every run (its trigger and whether it retains the graph) before it starts.
+# Called with every run's engine arguments before it starts (see run_arguments).
 _observers: list[Any] = []
 
 
@@ -84,7 +84,7 @@ def arm(participant: Participant) -> None:
 
 
 def observe(observer: Any) -> None:
-    """Call ``observer(trigger, retain_graph)`` before every engine run (installs the wrapper once)."""
+    """Call ``observer(args, kwargs)`` before every engine run (installs the wrapper once)."""
     _torch.install_engine_wrapper(_make_wrapper)
     with _lock:
         _observers.append(observer)
@@ -157,11 +157,16 @@ def _make_wrapper(original):
 
 
 def _notify(args, kwargs) -> None:
-    trigger = _trigger_name(_arg(args, kwargs, 5, "accumulate_grad", True))
+    for observer in list(_observers):
+        observer(args, kwargs)
+
+
+def run_arguments(args, kwargs) -> tuple[bool, bool]:
+    """``(accumulates into .grad, retains the graph)`` for an engine run's arguments."""
     retain = _arg(args, kwargs, 1, "retain_graph", None)
     create = bool(_arg(args, kwargs, 2, "create_graph", False))
-    for observer in list(_observers):
-        observer(trigger, bool(retain) if retain is not None else create)
+    accumulate = bool(_arg(args, kwargs, 5, "accumulate_grad", True))
+    return accumulate, bool(retain) if retain is not None else create
 
 
 def _forget(run: Run, pending: list[Run]) -> None:

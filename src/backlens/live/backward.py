@@ -310,6 +310,8 @@ class BackwardRun:
             self._handles.clear()
             _grad_release()
             mediator.cancel()
+            mediator.release()
+            self.mediator = None
             self._graph = None
             self._expect.clear()
             self._served.clear()

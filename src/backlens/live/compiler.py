@@ -38,20 +38,34 @@ _LOCALS = _PREFIX + "locals__"
 _FUNC = _PREFIX + "block__"
 _NO_FIRST = object()
 
-_codes: dict[tuple[Any, ...], types.CodeType] = {}
+_codes: dict[tuple[Any, ...], tuple[BlockSource, types.CodeType, types.CodeType]] = {}
 _checked: dict[tuple[str, int, int], int] = {}
 
 
-@dataclass(eq=False)
 class CompiledBody:
-    """A body ready to run: ``run()`` returns its final local variables."""
+    """A body ready to run: ``run()`` returns its final local variables.
 
-    fn: types.FunctionType
-    namespace: dict[str, Any]
-    first: Any
-    assigned: frozenset[str]  # as the final locals spell them (mangled)
-    writeback: frozenset[str]  # names written back to the caller whether saved or not
-    source: BlockSource
+    ``assigned`` is spelled as the final locals spell it (mangled);
+    ``writeback`` names are written back to the caller whether saved or not.
+    """
+
+    __slots__ = ("fn", "namespace", "first", "assigned", "writeback", "source")
+
+    def __init__(
+        self,
+        fn: types.FunctionType,
+        namespace: dict[str, Any],
+        first: Any,
+        assigned: frozenset[str],
+        writeback: frozenset[str],
+        source: BlockSource,
+    ):
+        self.fn = fn
+        self.namespace = namespace
+        self.first = first
+        self.assigned = assigned
+        self.writeback = writeback
+        self.source = source
 
     @property
     def code(self) -> types.CodeType:
@@ -61,6 +75,47 @@ class CompiledBody:
         if self.first is _NO_FIRST:
             return self.fn(self.namespace, locals)
         return self.fn(self.first, self.namespace, locals)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What compiling a block needs that depends only on its source (worked out once)."""
+
+    names: tuple[tuple[str, str], ...]  # (name, as the caller's locals spell it), bar super's own
+    first: str | None  # the parameter zero-argument super() reads
+    first_key: str | None
+    uses_super: bool
+    assigned: frozenset[str]
+    writeback: frozenset[str]
+    unbound: tuple[str, ...]  # shared names the body reads but never binds
+
+
+_shapes: dict[int, tuple[BlockSource, _Shape]] = {}
+
+
+def _shape(block: BlockSource) -> _Shape:
+    hit = _shapes.get(id(block))
+    if hit is not None and hit[0] is block:
+        return hit[1]
+    mangle = _mangler(block.class_name)
+    uses_super = block.class_name is not None and ("super" in block.names or "__class__" in block.names)
+    first = block.first_param if uses_super and block.in_function else None
+    shape = _Shape(
+        names=tuple((name, mangle(name)) for name in block.names if name != first and name != "__class__"),
+        first=first,
+        first_key=mangle(first) if first is not None else None,
+        uses_super=uses_super,
+        assigned=frozenset(mangle(name) for name in block.assigned),
+        writeback=frozenset(mangle(name) for name in block.declared_nonlocal & block.assigned),
+        unbound=tuple(sorted(name for name in block.shared if name in block.names and name not in block.assigned)),
+    )
+    if len(_shapes) > 4096:
+        _shapes.clear()
+    _shapes[id(block)] = (block, shape)
+    return shape
+
+
+_MISSING = object()
 
 
 def _mangler(class_name: str | None) -> Any:
@@ -90,46 +145,42 @@ def check(block: BlockSource, what: str) -> None:
 
 def compile_body(block: BlockSource, frame: types.FrameType, what: str) -> CompiledBody:
     """The block's body as a function over the caller's variables right now."""
+    shape = _shape(block)
     caller_locals = frame.f_locals
-    mangle = _mangler(block.class_name)
-    uses_super = block.class_name is not None and ("super" in block.names or "__class__" in block.names)
-    first = block.first_param if uses_super and block.in_function else None
+    first = shape.first
     first_value = _NO_FIRST
     if first is not None:
-        first_value = caller_locals.get(mangle(first), _NO_FIRST)
+        first_value = caller_locals.get(shape.first_key, _NO_FIRST)  # type: ignore[arg-type]
         if first_value is _NO_FIRST:
             first = None
-    present = tuple(
-        name for name in block.names if name != first and mangle(name) in caller_locals and name != "__class__"
-    )
-    namespace = {mangle(name): caller_locals[mangle(name)] for name in present}
-    unbound = tuple(
-        sorted(name for name in block.shared if name in block.names and name not in block.assigned and name not in present)
-    )
-    class_cell = uses_super and "__class__" in caller_locals
-    code_name = frame.f_code.co_name
-    qualname = getattr(frame.f_code, "co_qualname", code_name)
-    key = (block.filename, block.with_line, id(block.body[0]), present, unbound, first, class_cell, code_name, qualname)
-    code = _codes.get(key)
-    if code is None:
+    namespace: dict[str, Any] = {}
+    present = []
+    for name, key in shape.names:
+        value = caller_locals.get(key, _MISSING)
+        if value is not _MISSING:
+            namespace[key] = value
+            present.append(name)
+    unbound = tuple(name for name in shape.unbound if name not in namespace) if shape.unbound else ()
+    class_cell = shape.uses_super and "__class__" in caller_locals
+    code_key = frame.f_code
+    key = (id(block), tuple(present), unbound, first, class_cell, id(code_key))
+    hit = _codes.get(key)
+    if hit is not None and hit[0] is block and hit[1] is code_key:
+        code = hit[2]
+    else:
+        code_name = code_key.co_name
+        qualname = getattr(code_key, "co_qualname", code_name)
         with ast_lock:
-            code = _compile(block, present, unbound, first, class_cell, code_name, qualname, what)
+            code = _compile(block, tuple(present), unbound, first, class_cell, code_name, qualname, what)
         if len(_codes) > 4096:
             _codes.clear()
-        _codes[key] = code
+        _codes[key] = (block, code_key, code)
     closure = None
     if code.co_freevars:
         cell = types.CellType(caller_locals["__class__"]) if class_cell else types.CellType()
         closure = tuple(cell if name == "__class__" else types.CellType() for name in code.co_freevars)
-    fn = types.FunctionType(code, frame.f_globals, code_name, None, closure)
-    return CompiledBody(
-        fn=fn,
-        namespace=namespace,
-        first=first_value,
-        assigned=frozenset(mangle(name) for name in block.assigned),
-        writeback=frozenset(mangle(name) for name in block.declared_nonlocal & block.assigned),
-        source=block,
-    )
+    fn = types.FunctionType(code, frame.f_globals, code.co_name, None, closure)
+    return CompiledBody(fn, namespace, first_value, shape.assigned, shape.writeback, block)
 
 
 def _compile(

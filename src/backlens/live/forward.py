@@ -184,16 +184,21 @@ class ForwardRun:
             self._waiting.clear()
             self._arrived.clear()
             self._injected.clear()
-        if failed is not None:
-            raise failed
-        if error is not None:
-            raise error
-        for mediator, invoke in zip(self.mediators, self.invokes):
-            result, body = mediator.result, mediator.body
-            if result is not None and body is not None:
-                invoke.updates = saved_names(result, mediator.block, body.assigned)
-                invoke.updates.update({name: result[name] for name in body.writeback if name in result})
-            mediator.result = mediator.body = None
+        try:
+            if failed is not None:
+                raise failed
+            if error is not None:
+                raise error
+            for mediator, invoke in zip(self.mediators, self.invokes):
+                result, body = mediator.result, mediator.body
+                if result is not None and body is not None:
+                    invoke.updates = saved_names(result, mediator.block, body.assigned)
+                    invoke.updates.update({name: result[name] for name in body.writeback if name in result})
+                mediator.result = None
+        finally:
+            for mediator in self.mediators:
+                mediator.release()
+            self.mediators = []
         return output
 
     def _batch_inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import contextvars
 import threading
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,41 +107,37 @@ def _capital(text: str) -> str:
 
 # Set while backlens runs a `.backward()` it records itself.
 recording_own = contextvars.ContextVar("backlens_recording_own_backward", default=False)
-_watchers = 0
+_watching = False
 _watch_lock = threading.Lock()
 
 
-def _on_engine_run(trigger: str, retain: bool) -> None:
-    if recording_own.get():
-        return
+def _on_engine_run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     block = current_block()
     tracer = block.tracer if block is not None else None
-    if tracer is None:
+    if tracer is None or recording_own.get():
         return
     frame, _ = user_frame(1)
     if frame is None:
         return
+    accumulate, retain = engine.run_arguments(args, kwargs)
+    call = "torch.autograd.backward()" if accumulate else "torch.autograd.grad()"
     invoke = block.invoke.index if block.invoke is not None else None  # type: ignore[union-attr]
-    tracer._backwards.append(
-        BackwardCall(invoke, retain, frame.f_code.co_filename, frame.f_lineno, f"{trigger}()", tracer._single)
-    )
+    tracer._backwards.append(BackwardCall(invoke, retain, frame.f_code.co_filename, frame.f_lineno, call, tracer._single))
 
 
-@contextmanager
-def watching_engine() -> Iterator[None]:
-    """While a trace runs, note the backward runs its bodies start (to name who freed a graph)."""
-    global _watchers
+def watch_engine() -> None:
+    """Have the engine wrapper tell traces of the runs their bodies start (to name who freed a graph).
+
+    Installed with the first trace and kept, like the wrapper itself: outside
+    a trace the observer returns at once.
+    """
+    global _watching
+    if _watching:
+        return
     with _watch_lock:
-        _watchers += 1
-        if _watchers == 1:
+        if not _watching:
             engine.observe(_on_engine_run)
-    try:
-        yield
-    finally:
-        with _watch_lock:
-            _watchers -= 1
-            if _watchers == 0:
-                engine.unobserve(_on_engine_run)
+            _watching = True
 
 
 class GraphStore:

@@ -224,6 +224,16 @@ class Mediator:
         self._state.to_body()
         self._glet.switch(reply)  # type: ignore[union-attr]
 
+    def release(self) -> None:
+        """Drop what ties this mediator to its block and run (no cycle left for the collector)."""
+        block = self.block
+        if block is not None:
+            block.mediator = None
+            block.forward = block.backward = None  # type: ignore[assignment]
+        self.event = None
+        self.body = None
+        self._glet = self._driver = None
+
     def cancel(self) -> None:
         """Unwind a body that is still waiting (its ``finally`` blocks run)."""
         if self.done or not self.started:

@@ -11,8 +11,7 @@ agree (nearly always) that is one fingerprint read and a tuple compare.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -41,6 +40,7 @@ def _autocast_devices() -> tuple[str, ...]:
 _AUTOCAST_DEVICES = _autocast_devices()
 
 Autocast = tuple[tuple[str, bool, Any], ...]
+_NO_AUTOCAST: Autocast = ()
 
 
 def _autocast_details() -> Autocast:
@@ -56,7 +56,7 @@ def _autocast_details() -> Autocast:
 
 def _autocast_now() -> Autocast:
     if _any_autocast is not None and not _any_autocast():
-        return ()
+        return _NO_AUTOCAST
     details = _autocast_details()
     return details if any(on for device, on, _ in details if device != "cache") else ()
 
@@ -88,17 +88,11 @@ class CallerState(NamedTuple):
 
     @classmethod
     def capture(cls) -> CallerState:
-        return cls(_grad_enabled(), _inference_enabled(), _autocast_now())
+        return _new(cls, (_grad_enabled(), _inference_enabled(), _autocast_now()))
 
-    @contextmanager
-    def applied(self) -> Iterator[None]:
+    def applied(self) -> _Applied:
         """Apply this state to the calling thread for the duration (no-op when it already holds)."""
-        undo = self.apply_over(CallerState.capture())
-        try:
-            yield
-        finally:
-            for step in reversed(undo):
-                step()
+        return _Applied(self)
 
     def apply_over(self, current: CallerState) -> list[Callable[[], None]]:
         """Make this state current; returns the steps that restore ``current`` (run in reverse)."""
@@ -120,6 +114,24 @@ class CallerState(NamedTuple):
             _set_autocast(self.autocast)
             undo.append(lambda: _set_autocast(previous))
         return undo
+
+
+_new = tuple.__new__
+
+
+class _Applied:
+    __slots__ = ("_state", "_undo")
+
+    def __init__(self, state: CallerState):
+        self._state = state
+        self._undo: list[Callable[[], None]] = []
+
+    def __enter__(self) -> None:
+        self._undo = self._state.apply_over(CallerState.capture())
+
+    def __exit__(self, *exc: Any) -> None:
+        for step in reversed(self._undo):
+            step()
 
 
 class StateSwitch:
