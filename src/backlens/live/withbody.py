@@ -90,13 +90,6 @@ class WithBody:
         self._skip.install()
         return source
 
-    @property
-    def _start_state(self) -> CallerState:
-        """The torch modes where the body started."""
-        skip = self._skip
-        state = skip.state if skip is not None else None
-        return state if state is not None else CallerState.capture()
-
     def _run(self, frame: types.FrameType, state: CallerState) -> dict[str, Any]:
         raise NotImplementedError
 
