@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextvars
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -24,7 +23,6 @@ if TYPE_CHECKING:
 _current: contextvars.ContextVar[Block | None] = contextvars.ContextVar("backlens_live_block", default=None)
 
 
-@dataclass(eq=False)
 class Block:
     """One running body.
 
@@ -35,13 +33,23 @@ class Block:
     block); only names bound to these objects leave the body.
     """
 
-    kind: str
-    tracer: Tracer | None = None
-    forward: ForwardRun | None = None
-    invoke: Invoke | None = None
-    backward: BackwardRun | None = None
-    mediator: Mediator | None = None
-    saved: dict[int, Any] = field(default_factory=dict)
+    __slots__ = ("kind", "tracer", "forward", "invoke", "backward", "mediator", "saved")
+
+    def __init__(
+        self,
+        kind: str,
+        tracer: Tracer | None = None,
+        forward: ForwardRun | None = None,
+        invoke: Invoke | None = None,
+        backward: BackwardRun | None = None,
+    ):
+        self.kind = kind
+        self.tracer = tracer
+        self.forward = forward
+        self.invoke = invoke
+        self.backward = backward
+        self.mediator: Mediator | None = None
+        self.saved: dict[int, Any] = {}
 
     def keep(self, value: Any) -> None:
         self.saved[id(value)] = value

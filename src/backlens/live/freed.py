@@ -21,8 +21,7 @@ from __future__ import annotations
 import contextvars
 import threading
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -35,8 +34,7 @@ from backlens.live.source import where
 TORCH_FREED_TEXT = "Trying to backward through the graph a second time"
 
 
-@dataclass(frozen=True)
-class BackwardCall:
+class BackwardCall(NamedTuple):
     """One backward engine run started inside a trace (``.backward()`` or ``torch.autograd.grad``)."""
 
     invoke: int | None
