@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 if TYPE_CHECKING:
     from backlens.live.context import Block
@@ -102,8 +103,6 @@ def _local_names(value: Any, frame: types.FrameType | None) -> list[str]:
 
 def spelled_path(model: Any, dotted: str) -> str:
     """A module path as a user types it through a lens: ``transformer.h.1`` -> ``transformer.h[1]``."""
-    from torch import nn
-
     spelled = ""
     module = model
     for part in dotted.split(".") if dotted else []:

@@ -82,6 +82,7 @@ class _FileIndex:
     lines: list[str]
     headers: dict[int, list[ast.With]]  # line -> With nodes whose header covers it
     items: dict[tuple[int, int], ast.With]  # where a with item's call ends -> its With
+    item_lines: dict[int, list[tuple[ast.With, ast.Call]]]  # each line a with item's call spans
     scopes: dict[int, _Scope]  # id(With) -> its scope
     tree: ast.Module
 
@@ -149,7 +150,7 @@ def _index(filename: str, lines: list[str], what: str) -> _FileIndex:
             code="source_unparsable",
             remedy="Make sure the file on disk matches the code that is running.",
         ) from exc
-    index = _FileIndex(lines, {}, {}, {}, tree)
+    index = _FileIndex(lines, {}, {}, {}, {}, tree)
     _scan(tree, index, None, None, None)
     _files[filename] = index
     if len(_blocks) > 4096:
@@ -172,6 +173,8 @@ def _scan(node: ast.AST, index: _FileIndex, function: ast.AST | None, class_name
                 expr = item.context_expr
                 if isinstance(expr, ast.Call):
                     index.items[(expr.end_lineno or expr.lineno, expr.end_col_offset or 0)] = child
+                    for line in range(expr.lineno, (expr.end_lineno or expr.lineno) + 1):
+                        index.item_lines.setdefault(line, []).append((child, expr))
             _scan(child, index, function, class_name, outer or child)
         else:
             _scan(child, index, function, class_name, outer)
@@ -226,6 +229,13 @@ def _find_item(frame: types.FrameType, attr: str, what: str, need_source: bool) 
         if need_source:
             raise
         return None
+    if not hasattr(frame.f_code, "co_positions"):  # Python 3.10: only the line is known
+        found = [
+            node
+            for node, expr in index.item_lines.get(frame.f_lineno, ())
+            if isinstance(expr.func, ast.Attribute) and expr.func.attr == attr
+        ]
+        return _block(found[0], index, frame.f_code.co_filename, what) if len(found) == 1 else None
     span = _call_span(frame)
     if span is None or span[1] is None or span[3] is None:
         return None
