@@ -33,45 +33,57 @@ class GraphIndex:
                 self._nodes[id(node)] = node
                 self._stack.append(node)
 
-    def _walk_until(self, found: Any) -> Any | None:
+    def _expand(self, goal: Any | None, leaf_key: int | None) -> Any | None:
+        """Walk on until ``goal`` (a node) or the node of the leaf ``leaf_key`` is found."""
         nodes, stack = self._nodes, self._stack
-        while True:
-            hit = found()
-            if hit is not None:
-                return hit
-            if not stack:
-                return None
+        leaves = self._leaves
+        while stack:
             for child, _ in stack.pop().next_functions:
-                if child is not None and id(child) not in nodes:
-                    nodes[id(child)] = child
-                    stack.append(child)
-                    if self._leaves is not None:
-                        self._note_leaf(child)
+                if child is None or id(child) in nodes:
+                    continue
+                nodes[id(child)] = child
+                stack.append(child)
+                if child is goal:
+                    return child
+                if leaves is not None and self._note_leaf(child) == leaf_key and leaf_key is not None:
+                    return child
+        return None
 
-    def _note_leaf(self, node: Any) -> None:
+    def _note_leaf(self, node: Any) -> int | None:
         if _torch.is_accumulate_grad(node):
             variable = _torch.accumulate_grad_variable(node)
             if variable is not None:
                 self._leaves[id(variable)] = node  # type: ignore[index]
+                return id(variable)
+        return None
 
     def node_of(self, tensor: torch.Tensor) -> Any | None:
         """The node whose firing delivers ``tensor``'s gradient, if the roots reach it."""
         grad_fn = tensor.grad_fn
-        nodes = self._nodes
         if grad_fn is not None:
-            key = id(grad_fn)
-            return self._walk_until(lambda: grad_fn if nodes.get(key) is grad_fn else None)
+            if self._nodes.get(id(grad_fn)) is grad_fn:
+                return grad_fn
+            return self._expand(grad_fn, None)
         if self._leaves is None:
             self._leaves = {}
-            for node in list(nodes.values()):
+            for node in list(self._nodes.values()):
                 self._note_leaf(node)
-        leaves, key = self._leaves, id(tensor)
-        return self._walk_until(lambda: leaves.get(key))
+        found = self._leaves.get(id(tensor))
+        return found if found is not None else self._expand(None, id(tensor))
 
     def reaches(self, start: Any, goal: Any) -> bool:
-        """True when ``goal`` lies below ``start`` (so ``start`` runs before ``goal``)."""
+        """True when ``goal`` lies below ``start`` (so ``start`` runs before ``goal``).
+
+        A node only reaches nodes made before it in the forward, so when
+        ``start`` was made first (a lower sequence number) the answer is no
+        without a walk; AccumulateGrad nodes carry no such number.
+        """
         if start is goal:
             return True
+        if not (_torch.is_accumulate_grad(start) or _torch.is_accumulate_grad(goal)):
+            first, second = _torch.node_sequence_nr(start), _torch.node_sequence_nr(goal)
+            if first is not None and second is not None and first < second:
+                return False
         seen: dict[int, Any] = {id(start): start}
         stack = [start]
         while stack:

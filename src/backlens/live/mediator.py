@@ -94,15 +94,14 @@ def _worker_loop(job: Callable[[], None]) -> None:
     while True:
         job()
         job = None  # type: ignore[assignment]  # hold nothing of the user's while parked
-        driver = me.parent
         free = _free()
-        if len(free) < _POOL_SIZE:
-            free.append(me)
+        if len(free) >= _POOL_SIZE:
+            return  # ends, which switches back to the driver (its parent)
+        driver = me.parent
+        free.append(me)
         # Parked under the thread's root, so a parked greenlet keeps no driver alive.
         me.parent = _root()
         job = driver.switch(_DONE)
-        if job is None:  # dropped from the pool
-            return
 
 
 def _free() -> list[greenlet.greenlet]:
