@@ -16,8 +16,9 @@ Two measurements (API.md §2):
 
 The peer runs in its own virtual environment, created by this script under
 /tmp (torch pinned first, so pip never fetches a CUDA build); it is never a
-dependency of backlens. Its figures are measured in a subprocess running this
-same file, and the two sides alternate so drift in the machine hits both.
+dependency of backlens. It is measured by a worker subprocess running this
+same file, and the two sides take turns round by round (who goes first
+alternating), so drift in a shared machine's load hits both alike.
 
     python bench/live.py                 # both
     python bench/live.py --skip-peer     # no nnsight
@@ -40,9 +41,10 @@ from pathlib import Path
 PEER_VENV = Path(os.environ.get("BACKLENS_PEER_VENV", "/tmp/backlens-nnsight-venv"))
 TORCH_PIN = "torch==2.13.0"
 PEER_PIN = os.environ.get("BACKLENS_PEER_SPEC", "nnsight")
+BODIES = ("forward", "forward+backward", "forward edit")
 
 
-# -- shared timing helpers ----------------------------------------------------
+# -- what each side runs (both spell every body the same way) -------------------
 
 
 def _median_us(fn, repeats: int) -> float:
@@ -54,158 +56,125 @@ def _median_us(fn, repeats: int) -> float:
     return statistics.median(times) * 1e6
 
 
-def _tiny():
-    import torch
-    from torch import nn
+class Workload:
+    """The tiny model's bodies and the GPT-2 body, traced through ``wrap(model)`` and plain."""
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
-    return model, torch.randn(2, 4)
+    def __init__(self, wrap, gpt2: bool):
+        import torch
+        from torch import nn
 
+        torch.set_num_threads(1)
+        torch.manual_seed(0)
+        self.tiny = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+        self.x = torch.randn(2, 4)
+        self.tiny_lens = wrap(self.tiny)
+        self.traced = self._tiny_traced()
+        self.plain = self._tiny_plain()
+        for name in BODIES:
+            for _ in range(100):  # warm caches, pools and allocators
+                self.traced[name]()
+                self.plain[name]()
+        if gpt2:
+            self._gpt2_setup(wrap)
 
-def _plain_bodies(model, x):
-    def forward():
-        model(x)
+    def _tiny_traced(self):
+        wrapped, x = self.tiny_lens, self.x
 
-    def forward_backward():
-        h = model[0](x)
-        h.register_hook(lambda grad: None)
-        model[2](model[1](h)).sum().backward()
+        def forward():
+            with wrapped.trace(x):
+                out = wrapped.output.save()  # noqa: F841
 
-    def forward_edit():
-        h = model[0](x) * 2
-        model[2](model[1](h))
+        def forward_backward():
+            with wrapped.trace(x):
+                h = wrapped[0].output
+                loss = wrapped.output.sum()
+                with loss.backward():
+                    g = h.grad.save()  # noqa: F841
 
-    return {"forward": forward, "forward+backward": forward_backward, "forward edit": forward_edit}
+        def forward_edit():
+            with wrapped.trace(x):
+                wrapped[0].output = wrapped[0].output * 2
+                out = wrapped.output.save()  # noqa: F841
 
+        return {"forward": forward, "forward+backward": forward_backward, "forward edit": forward_edit}
 
-def fixed_costs(wrapped, model, x, repeats: int) -> dict[str, float]:
-    """Median trace time minus median plain time, per body, in microseconds.
+    def _tiny_plain(self):
+        model, x = self.tiny, self.x
 
-    ``wrapped`` is a backlens lens or an nnsight model: both spell these
-    bodies the same way.
-    """
+        def forward():
+            model(x)
 
-    def forward():
-        with wrapped.trace(x):
-            out = wrapped.output.save()  # noqa: F841
+        def forward_backward():
+            h = model[0](x)
+            h.register_hook(lambda grad: None)
+            model[2](model[1](h)).sum().backward()
 
-    def forward_backward():
-        with wrapped.trace(x):
-            h = wrapped[0].output
-            loss = wrapped.output.sum()
-            with loss.backward():
-                g = h.grad.save()  # noqa: F841
+        def forward_edit():
+            h = model[0](x) * 2
+            model[2](model[1](h))
 
-    def forward_edit():
-        with wrapped.trace(x):
-            wrapped[0].output = wrapped[0].output * 2
-            out = wrapped.output.save()  # noqa: F841
+        return {"forward": forward, "forward+backward": forward_backward, "forward edit": forward_edit}
 
-    traced = {"forward": forward, "forward+backward": forward_backward, "forward edit": forward_edit}
-    plain = _plain_bodies(model, x)
-    result = {}
-    for name in traced:
-        for _ in range(100):  # warm caches, pools and allocators
-            traced[name]()
-            plain[name]()
-        trace_us = _median_us(traced[name], repeats)
-        plain_us = _median_us(plain[name], repeats)
-        result[name] = trace_us - plain_us
-        result[name + " plain"] = plain_us
-    return result
+    def fixed(self, body: str, repeats: int) -> dict[str, float]:
+        """One round: median traced and plain time of ``body``, microseconds."""
+        return {"traced": _median_us(self.traced[body], repeats), "plain": _median_us(self.plain[body], repeats)}
 
+    def _gpt2_setup(self, wrap) -> None:
+        import torch
+        from transformers import GPT2Config, GPT2LMHeadModel
 
-# -- the two roles ------------------------------------------------------------
+        torch.manual_seed(0)
+        config = GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=1000, n_positions=64)
+        model = GPT2LMHeadModel(config).eval()
+        x = torch.randint(0, 1000, (4, 64))
+        lens = wrap(model)
+        blocks = list(model.transformer.h)
 
+        def plain():
+            kept = {}
+            handles = []
+            for i, block in enumerate(blocks):
 
-def peer_role(repeats: int) -> None:
-    """Run inside the peer's venv: print nnsight's fixed costs as JSON."""
-    import torch
-    from nnsight import NNsight
+                def hook(module, args, output, i=i):
+                    hidden = output[0] if isinstance(output, tuple) else output
+                    hidden.register_hook(lambda grad: kept.__setitem__(i, grad))
 
-    torch.set_num_threads(1)
-    model, x = _tiny()
-    print(json.dumps(fixed_costs(NNsight(model), model, x, repeats)))
+                handles.append(block.register_forward_hook(hook))
+            try:
+                out = model(x)
+            finally:
+                for handle in handles:
+                    handle.remove()
+            out.logits.sum().backward()
+            model.zero_grad(set_to_none=True)
+            return [kept[i] for i in range(len(blocks))]
 
+        def traced():
+            kept = {}
+            with lens.trace(x):
+                hidden = [lens.transformer.h[i].output for i in range(4)]
+                loss = lens.output.logits.sum()
+                with loss.backward():
+                    kept["grads"] = [h.grad.save() for h in reversed(hidden)]
+            model.zero_grad(set_to_none=True)
+            return list(reversed(kept["grads"]))
 
-def ours_fixed(repeats: int) -> dict[str, float]:
-    import torch
+        self.same = all(torch.equal(a, b) for a, b in zip(plain(), traced()))
+        for _ in range(3):
+            plain()
+            traced()
+        self.gpt2_plain, self.gpt2_traced = plain, traced
 
-    import backlens.live as bl
-
-    torch.set_num_threads(1)
-    model, x = _tiny()
-    return fixed_costs(bl.wrap(model), model, x, repeats)
-
-
-def gpt2_overhead(wrap, rounds: int) -> dict[str, float]:
-    """GPT-2 forward + backward reading all four blocks' output gradients, traced vs plain.
-
-    ``wrap(model)`` makes the lens (backlens) or the envoy (nnsight): both
-    spell the body the same way.
-    """
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    config = GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=1000, n_positions=64)
-    model = GPT2LMHeadModel(config).eval()
-    x = torch.randint(0, 1000, (4, 64))
-    lens = wrap(model)
-    blocks = list(model.transformer.h)
-
-    def plain():
-        kept = {}
-        handles = []
-        for i, block in enumerate(blocks):
-
-            def hook(module, args, output, i=i):
-                hidden = output[0] if isinstance(output, tuple) else output
-                hidden.register_hook(lambda grad: kept.__setitem__(i, grad))
-
-            handles.append(block.register_forward_hook(hook))
-        try:
-            out = model(x)
-        finally:
-            for handle in handles:
-                handle.remove()
-        out.logits.sum().backward()
-        model.zero_grad(set_to_none=True)
-        return [kept[i] for i in range(len(blocks))]
-
-    def traced():
-        kept = {}
-        with lens.trace(x):
-            hidden = [lens.transformer.h[i].output for i in range(4)]
-            loss = lens.output.logits.sum()
-            with loss.backward():
-                kept["grads"] = [h.grad.save() for h in reversed(hidden)]
-        model.zero_grad(set_to_none=True)
-        return list(reversed(kept["grads"]))
-
-    same = all(torch.equal(a, b) for a, b in zip(plain(), traced()))
-    for _ in range(3):
-        plain()
-        traced()
-    ratios, plain_ms, traced_ms = [], [], []
-    for r in range(rounds):
-        order = (plain, traced) if r % 2 == 0 else (traced, plain)
+    def gpt2(self, traced_first: bool) -> dict[str, float]:
+        """One round: a plain and a traced GPT-2 step, milliseconds."""
         timing = {}
-        for fn in order:
+        order = (("traced", self.gpt2_traced), ("plain", self.gpt2_plain))
+        for name, fn in order if traced_first else order[::-1]:
             start = time.perf_counter()
             fn()
-            timing[fn] = time.perf_counter() - start
-        ratios.append(timing[traced] / timing[plain])
-        plain_ms.append(timing[plain] * 1e3)
-        traced_ms.append(timing[traced] * 1e3)
-    return {
-        "median ratio": statistics.median(ratios),
-        "plain ms": statistics.median(plain_ms),
-        "traced ms": statistics.median(traced_ms),
-        "same gradients": float(same),
-    }
+            timing[name] = (time.perf_counter() - start) * 1e3
+        timing["same"] = float(self.same)
+        return timing
 
 
 def _ours_wrap(model):
@@ -220,9 +189,54 @@ def _peer_wrap(model):
     return NNsight(model)
 
 
+def worker_role(gpt2: bool) -> None:
+    """Run inside the peer's venv: answer one JSON request per line (a round) on stdout."""
+    work = Workload(_peer_wrap, gpt2)
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        if request["what"] == "gpt2":
+            answer = work.gpt2(request["traced_first"])
+        else:
+            answer = work.fixed(request["body"], request["repeats"])
+        print(json.dumps(answer), flush=True)
+
+
+class PeerSide:
+    """The peer's worker subprocess, asked for one round at a time."""
+
+    def __init__(self, python: Path, gpt2: bool):
+        args = [str(python), __file__, "--role", "peer-worker"] + ([] if gpt2 else ["--skip-gpt2"])
+        self.process = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._read()
+
+    def _read(self) -> dict[str, float]:
+        line = self.process.stdout.readline()  # type: ignore[union-attr]
+        if not line:
+            raise RuntimeError("the peer's worker stopped")
+        return json.loads(line)
+
+    def ask(self, **request) -> dict[str, float]:
+        self.process.stdin.write(json.dumps(request) + "\n")  # type: ignore[union-attr]
+        self.process.stdin.flush()  # type: ignore[union-attr]
+        return self._read()
+
+    def close(self) -> None:
+        self.process.stdin.close()  # type: ignore[union-attr]
+        self.process.wait(timeout=60)
+
+
+class OurSide:
+    def __init__(self, gpt2: bool):
+        self.work = Workload(_ours_wrap, gpt2)
+
+    def ask(self, **request) -> dict[str, float]:
+        if request["what"] == "gpt2":
+            return self.work.gpt2(request["traced_first"])
+        return self.work.fixed(request["body"], request["repeats"])
+
+
 # -- the peer's environment ---------------------------------------------------
-
-
 def ensure_peer() -> Path | None:
     python = PEER_VENV / "bin" / "python"
     check = [str(python), "-c", "import nnsight, torch, transformers"]
@@ -240,78 +254,77 @@ def ensure_peer() -> Path | None:
     return python
 
 
-def _peer_run(python: Path, *args: str) -> dict[str, float] | None:
-    done = subprocess.run([str(python), __file__, *args], capture_output=True, text=True)
-    if done.returncode != 0:
-        print("  peer run failed:\n" + done.stderr[-2000:])
-        return None
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def _span(values: list[float], unit: str, digits: int) -> str:
-    if not values:
-        return "-"
     low, mid, high = min(values), statistics.median(values), max(values)
     return f"{mid:.{digits}f}{unit} [{low:.{digits}f}-{high:.{digits}f}]"
 
 
+def _turns(sides: dict, r: int):
+    """The sides in this round's order (who goes first alternates)."""
+    names = list(sides)
+    return [(name, sides[name]) for name in (names if r % 2 == 0 else names[::-1])]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--role", choices=["main", "peer", "peer-gpt2"], default="main")
-    parser.add_argument("--rounds", type=int, default=30, help="interleaved GPT-2 rounds")
-    parser.add_argument("--repeats", type=int, default=2000, help="timed traces per tiny-model figure")
-    parser.add_argument("--alternations", type=int, default=3, help="ours/peer alternations")
+    parser.add_argument("--role", choices=["main", "peer-worker"], default="main")
+    parser.add_argument("--rounds", type=int, default=40, help="GPT-2 rounds per side")
+    parser.add_argument("--repeats", type=int, default=300, help="timed traces per tiny-model round")
+    parser.add_argument("--alternations", type=int, default=8, help="tiny-model rounds per side and body")
     parser.add_argument("--skip-peer", action="store_true")
     parser.add_argument("--skip-gpt2", action="store_true")
     args = parser.parse_args()
 
-    if args.role == "peer":
-        peer_role(args.repeats)
-        return
-    if args.role == "peer-gpt2":
-        print(json.dumps(gpt2_overhead(_peer_wrap, args.rounds)))
+    if args.role == "peer-worker":
+        worker_role(not args.skip_gpt2)
         return
 
+    gpt2 = not args.skip_gpt2
+    sides: dict = {"backlens": OurSide(gpt2)}
     python = None if args.skip_peer else ensure_peer()
-    if not args.skip_gpt2:
-        print("GPT-2 (4 layers, n_embd 256, batch 4 x seq 64, 1 thread): all four blocks' output gradients")
-        ours_runs, peer_runs = [], []
-        for _ in range(args.alternations):
-            ours_runs.append(gpt2_overhead(_ours_wrap, args.rounds))
-            if python is not None:
-                peer = _peer_run(python, "--role", "peer-gpt2", "--rounds", str(args.rounds))
-                if peer is not None:
-                    peer_runs.append(peer)
-        for name, runs in (("backlens", ours_runs), ("nnsight", peer_runs)):
-            if not runs:
-                continue
-            ratios = [run["median ratio"] for run in runs]
-            same = "equal to plain autograd" if all(run["same gradients"] for run in runs) else "NOT EQUAL to plain"
-            print(
-                f"  {name:9s} ratio {_span(ratios, 'x', 3)}   plain {_span([r['plain ms'] for r in runs], ' ms', 1)}"
-                f"   traced {_span([r['traced ms'] for r in runs], ' ms', 1)}   gradients {same}"
-            )
-        if peer_runs:
-            ours = statistics.median(run["median ratio"] for run in ours_runs)
-            theirs = statistics.median(run["median ratio"] for run in peer_runs)
-            print(f"  target <= 1.03x and <= the peer's: backlens {ours:.3f}x, nnsight {theirs:.3f}x")
+    if python is not None:
+        sides["nnsight"] = PeerSide(python, gpt2)
+    try:
+        if gpt2:
+            print("GPT-2 (4 layers, n_embd 256, batch 4 x seq 64, 1 thread): all four blocks' output gradients")
+            ratios: dict[str, list[float]] = {name: [] for name in sides}
+            times: dict[str, dict[str, list[float]]] = {name: {"plain": [], "traced": []} for name in sides}
+            same = {name: True for name in sides}
+            for r in range(args.rounds):
+                for name, side in _turns(sides, r):
+                    got = side.ask(what="gpt2", traced_first=bool(r % 4 < 2))
+                    ratios[name].append(got["traced"] / got["plain"])
+                    times[name]["plain"].append(got["plain"])
+                    times[name]["traced"].append(got["traced"])
+                    same[name] = same[name] and bool(got["same"])
+            for name in sides:
+                print(
+                    f"  {name:9s} traced/plain {_span(ratios[name], 'x', 3)} (median [range] of {args.rounds} rounds)"
+                    f"   plain {statistics.median(times[name]['plain']):.1f} ms"
+                    f"   traced {statistics.median(times[name]['traced']):.1f} ms"
+                    f"   gradients {'equal to' if same[name] else 'NOT EQUAL to'} plain autograd"
+                )
+            if len(sides) > 1:
+                ours, theirs = (statistics.median(ratios[name]) for name in ("backlens", "nnsight"))
+                verdict = "met" if ours <= 1.03 and ours <= theirs else "NOT met"
+                print(f"  target <= 1.03x and <= the peer's: backlens {ours:.3f}x, nnsight {theirs:.3f}x ({verdict})")
 
-    print("Fixed cost per trace, tiny model (trace minus plain, microseconds, median [range over runs]):")
-    ours_runs, peer_runs = [], []
-    for _ in range(args.alternations):
-        ours_runs.append(ours_fixed(args.repeats))
-        if python is not None:
-            peer = _peer_run(python, "--role", "peer", "--repeats", str(args.repeats))
-            if peer is not None:
-                peer_runs.append(peer)
-    for body in ("forward", "forward+backward", "forward edit"):
-        ours = statistics.median(run[body] for run in ours_runs)
-        line = f"  {body:17s} backlens {_span([run[body] for run in ours_runs], ' us', 1)}"
-        if peer_runs:
-            theirs = statistics.median(run[body] for run in peer_runs)
-            verdict = "ours no higher" if ours <= theirs else "ours higher"
-            line += f"   nnsight {_span([run[body] for run in peer_runs], ' us', 1)}   ({verdict})"
-        print(line)
+        print(f"Fixed cost per trace, tiny model (trace minus plain, microseconds; median [range] of {args.alternations} rounds):")
+        for body in BODIES:
+            costs: dict[str, list[float]] = {name: [] for name in sides}
+            for r in range(args.alternations):
+                for name, side in _turns(sides, r):
+                    got = side.ask(what="fixed", body=body, repeats=args.repeats)
+                    costs[name].append(got["traced"] - got["plain"])
+            line = f"  {body:17s}" + "".join(f"   {name} {_span(costs[name], ' us', 1)}" for name in sides)
+            if len(sides) > 1:
+                ours, theirs = (statistics.median(costs[name]) for name in ("backlens", "nnsight"))
+                line += "   (ours no higher)" if ours <= theirs else "   (ours higher)"
+            print(line)
+    finally:
+        peer = sides.get("nnsight")
+        if peer is not None:
+            peer.close()
 
 
 if __name__ == "__main__":

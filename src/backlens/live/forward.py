@@ -160,8 +160,8 @@ class ForwardRun:
         error: BaseException | None = None
         failed: BaseException | None = None
         output = None
-        _drive(self)
         try:
+            _drive(self)
             with store.hooks() if store is not None else nullcontext():
                 for mediator in self.mediators:
                     mediator.start()
