@@ -11,6 +11,7 @@ agree (nearly always) that is one fingerprint read and a tuple compare.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -152,25 +153,38 @@ class StateSwitch:
 
     def to_body(self) -> None:
         """Called by the driver right before it switches to the body."""
-        self.driver = current = CallerState.capture()
+        self.driver = current = _new(CallerState, (_grad_enabled(), _inference_enabled(), _autocast_now()))
         if self._undo is not None:
             self._restore()
         elif current != self.body:
-            self._undo = self.body.apply_over(current)
+            self._undo = _switch(current, self.body)
 
     def to_driver(self) -> None:
         """Called by the body right before it switches back to the driver."""
-        self.body = current = CallerState.capture()
+        self.body = current = _new(CallerState, (_grad_enabled(), _inference_enabled(), _autocast_now()))
         driver = self.driver
         if self._undo is not None:
             self._restore()
         elif driver is not None and current != driver:
-            self._undo = driver.apply_over(current)
+            self._undo = _switch(current, driver)
 
     def _restore(self) -> None:
         undo, self._undo = self._undo, None
         for step in reversed(undo or ()):
             step()
+
+
+_GRAD_ON = [functools.partial(_set_grad_enabled, True)]
+_GRAD_OFF = [functools.partial(_set_grad_enabled, False)]
+
+
+def _switch(current: CallerState, target: CallerState) -> list[Callable[[], None]]:
+    """Make ``target`` current; the steps back. The usual difference, grad mode alone
+    (the autograd engine runs without it), takes one call."""
+    if current[1] == target[1] and current[2] == target[2]:
+        _set_grad_enabled(target[0])
+        return _GRAD_ON if current[0] else _GRAD_OFF
+    return target.apply_over(current)
 
 
 def single_threaded_engine() -> Any:
