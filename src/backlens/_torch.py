@@ -247,35 +247,6 @@ def only_decomposes(op: Any) -> bool:
 
 # live tracing
 
-
-def _find_tensor_grad_descriptor() -> Any:
-    """torch's own ``Tensor.grad`` descriptor (defined on the C base class)."""
-    for klass in torch.Tensor.__mro__[1:]:
-        found = klass.__dict__.get("grad")
-        if found is not None and hasattr(found, "__get__") and hasattr(found, "__set__"):
-            return found
-    return None
-
-
-_tensor_grad_descriptor = _find_tensor_grad_descriptor()
-HAS_TENSOR_GRAD_DESCRIPTOR = _tensor_grad_descriptor is not None
-
-CAPABILITIES = (
-    *CAPABILITIES,
-    Capability(
-        "HAS_TENSOR_GRAD_DESCRIPTOR",
-        HAS_TENSOR_GRAD_DESCRIPTOR,
-        "serving h.grad inside `with loss.backward():` blocks of live tracing",
-        "reading or setting .grad inside a backward block raises TraceError",
-    ),
-)
-
-
-def tensor_grad_descriptor() -> Any:
-    """The descriptor behind ``Tensor.grad`` (None if torch moved it)."""
-    return _tensor_grad_descriptor
-
-
 # Switching torch's thread-local modes between a live body and the model at
 # each hand-over (they share one thread). The raw setters skip building a
 # context-manager object per switch; the public ones do the same, slower.

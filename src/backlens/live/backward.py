@@ -14,16 +14,17 @@ arrives: the first read registers a tensor hook on ``h`` (on the batched
 tensor and cut to the invoke's rows, when ``h`` came from a lens) and waits
 for the engine to reach it; ``h.grad = g`` makes that hook return ``g``
 instead. The engine runs in the caller's thread, single-threaded for devices
-too, so its hooks switch to the body right there. ``Tensor.grad`` is replaced
-by a property only while a block runs, and only a block's body sees the
-difference.
+too, so its hooks switch to the body right there. The body's own ``x.grad``
+(as it is spelled in the block, its comprehensions and functions) is compiled
+to go through the running backward; ``Tensor`` itself is never patched, so
+``.grad`` read anywhere else keeps its stock meaning.
 """
 
 from __future__ import annotations
 
 import functools
+import operator
 import sys
-import threading
 import types
 import warnings
 from dataclasses import dataclass
@@ -31,7 +32,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from backlens import _torch
 from backlens.errors import (
     BacklensError,
     BacklensWarning,
@@ -40,6 +40,7 @@ from backlens.errors import (
     OutOfOrderError,
     TraceError,
 )
+from backlens.live import compiler
 from backlens.live import rows as rows_mod
 from backlens.live.compiler import CompiledBody, compile_body
 from backlens.live.context import Block, current_block, saved_names
@@ -57,56 +58,62 @@ if TYPE_CHECKING:
 
 
 # ---------------------------------------------------------------------------
-# Tensor.grad, while backward blocks run
-
-_STOCK_GRAD = _torch.tensor_grad_descriptor()
-_grad_lock = threading.Lock()
-_grad_users = 0
+# `.grad` as a backward block's body spells it (see compiler.GRAD_HELPERS)
 
 
-def _grad_get(self: torch.Tensor) -> Any:
-    block = current_block()
-    if block is not None and block.backward is not None and block.kind == "backward":
-        return block.backward.read_grad(self, sys._getframe(1))
-    return _STOCK_GRAD.__get__(self, type(self))
+def _served(value: Any) -> BackwardRun | None:
+    """The backward run serving ``value``'s gradient: the running block's, for a tensor."""
+    if isinstance(value, torch.Tensor):
+        block = current_block()
+        if block is not None and block.kind == "backward":
+            return block.backward
+    return None
 
 
-def _grad_set(self: torch.Tensor, value: Any) -> None:
-    block = current_block()
-    if block is not None and block.backward is not None and block.kind == "backward":
-        block.backward.write_grad(self, value, sys._getframe(1))
+def _grad_of(value: Any) -> Any:
+    run = _served(value)
+    if run is not None:
+        return run.read_grad(value, sys._getframe(1))
+    return value.grad
+
+
+def _set_grad_of(value: Any, grad: Any) -> None:
+    run = _served(value)
+    if run is not None:
+        run.write_grad(value, grad, sys._getframe(1))
+    else:
+        value.grad = grad
+
+
+_IN_PLACE = {
+    "Add": operator.iadd, "Sub": operator.isub, "Mult": operator.imul, "MatMult": operator.imatmul,
+    "Div": operator.itruediv, "FloorDiv": operator.ifloordiv, "Mod": operator.imod, "Pow": operator.ipow,
+    "LShift": operator.ilshift, "RShift": operator.irshift, "BitOr": operator.ior, "BitXor": operator.ixor,
+    "BitAnd": operator.iand,
+}  # fmt: skip
+
+
+def _aug_grad_of(value: Any, op: str, operand: Any) -> None:
+    run = _served(value)
+    if run is None:
+        value.grad = _IN_PLACE[op](value.grad, operand)
         return
-    _STOCK_GRAD.__set__(self, value)
+    frame = sys._getframe(1)
+    run.write_grad(value, _IN_PLACE[op](run.read_grad(value, frame), operand), frame)
 
 
-def _grad_delete(self: torch.Tensor) -> None:
-    _STOCK_GRAD.__delete__(self)
+def _del_grad_of(value: Any) -> None:
+    del value.grad
 
 
-_GRAD_PROPERTY = property(_grad_get, _grad_set, _grad_delete, getattr(_STOCK_GRAD, "__doc__", None))
-
-
-def _grad_acquire() -> None:
-    global _grad_users
-    if _STOCK_GRAD is None:
-        raise TraceError(
-            "this torch keeps Tensor.grad where backlens cannot find it, so .grad cannot be "
-            "served inside a backward block (capability HAS_TENSOR_GRAD_DESCRIPTOR is off).",
-            code="capability_missing",
-            remedy="Read gradients with tensor.register_hook instead, or use a torch version bl.doctor() accepts.",
-        )
-    with _grad_lock:
-        if _grad_users == 0:
-            torch.Tensor.grad = _GRAD_PROPERTY  # type: ignore[method-assign,assignment]
-        _grad_users += 1
-
-
-def _grad_release() -> None:
-    global _grad_users
-    with _grad_lock:
-        _grad_users -= 1
-        if _grad_users == 0 and torch.Tensor.__dict__.get("grad") is _GRAD_PROPERTY:
-            del torch.Tensor.grad  # back to torch's own descriptor
+compiler.GRAD_HELPERS.update(
+    {
+        "__backlens_grad__": _grad_of,
+        "__backlens_set_grad__": _set_grad_of,
+        "__backlens_aug_grad__": _aug_grad_of,
+        "__backlens_del_grad__": _del_grad_of,
+    }
+)
 
 
 # ---------------------------------------------------------------------------
@@ -190,6 +197,7 @@ class BackwardBlock(WithBody):
     """What ``t.backward(...)`` returns as the expression of a ``with``."""
 
     _what = "loss.backward()"
+    _grads = True
 
     def __init__(self, tensor: torch.Tensor, args: tuple[Any, ...]):
         self._tensor = tensor
@@ -226,7 +234,7 @@ class BackwardBlock(WithBody):
 
     def _run(self, frame: types.FrameType, state: CallerState) -> dict[str, Any]:
         assert self._source is not None
-        body = compile_body(self._source, frame, self._what)
+        body = compile_body(self._source, frame, self._what, grads=True)
         run = BackwardRun(self._tensor, self._args, current_block(), self._source, frame)
         return run.execute(body, state)
 
@@ -286,7 +294,6 @@ class BackwardRun:
         self.mediator = mediator
         self.driver = getcurrent()
         error: BaseException | None = None
-        _grad_acquire()
         try:
             mediator.start()
             if mediator.error is None:
@@ -308,7 +315,6 @@ class BackwardRun:
             for handle in self._handles:
                 handle.remove()
             self._handles.clear()
-            _grad_release()
             mediator.cancel()
             mediator.release()
             self.mediator = None

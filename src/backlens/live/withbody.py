@@ -68,7 +68,7 @@ class WithBody:
     """Base of the trace, invoke and backward blocks (see the module docstring)."""
 
     _what = "the block"
-    _attr = ""  # the method whose call makes the block
+    _grads = False  # a backward block: the body's `.grad` go through the running backward
 
     _frame: types.FrameType | None = None
     _source: BlockSource | None = None
@@ -76,14 +76,14 @@ class WithBody:
 
     def _prepare(self, source: BlockSource) -> None:
         """Checks made when the block is made (the errors a refusal raises)."""
-        compiler.check(source, self._what)
+        compiler.check(source, self._what, self._grads)
         self._source = source
 
     def _arm(self, frame: types.FrameType) -> BlockSource:
         source = self._source
         if source is None:  # made elsewhere and entered here: find the block by its line
             source = find_block(frame, self._what)
-            compiler.check(source, self._what)
+            compiler.check(source, self._what, self._grads)
             self._source = source
         self._frame = frame
         self._skip = Skipper(frame, source.skip_line)
