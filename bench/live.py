@@ -275,7 +275,7 @@ def _turns(sides: dict, r: int):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--role", choices=["main", "peer-worker"], default="main")
-    parser.add_argument("--rounds", type=int, default=40, help="GPT-2 rounds per side")
+    parser.add_argument("--rounds", type=int, default=100, help="GPT-2 rounds per side")
     parser.add_argument("--repeats", type=int, default=300, help="timed traces per tiny-model round")
     parser.add_argument("--alternations", type=int, default=8, help="tiny-model rounds per side and body")
     parser.add_argument("--clock", choices=list(CLOCKS), default="cpu", help="clock of the tiny-model figures")

@@ -85,12 +85,13 @@ def _set_grad_of(value: Any, grad: Any) -> None:
         value.grad = grad
 
 
-_IN_PLACE = {
-    "Add": operator.iadd, "Sub": operator.isub, "Mult": operator.imul, "MatMult": operator.imatmul,
-    "Div": operator.itruediv, "FloorDiv": operator.ifloordiv, "Mod": operator.imod, "Pow": operator.ipow,
-    "LShift": operator.ilshift, "RShift": operator.irshift, "BitOr": operator.ior, "BitXor": operator.ixor,
-    "BitAnd": operator.iand,
+_OPERATORS = {
+    "Add": "add", "Sub": "sub", "Mult": "mul", "MatMult": "matmul", "Div": "truediv",
+    "FloorDiv": "floordiv", "Mod": "mod", "Pow": "pow", "LShift": "lshift", "RShift": "rshift",
+    "BitOr": "or_", "BitXor": "xor", "BitAnd": "and_",
 }  # fmt: skip
+_IN_PLACE = {op: getattr(operator, "i" + name.rstrip("_")) for op, name in _OPERATORS.items()}
+_OUT_OF_PLACE = {op: getattr(operator, name) for op, name in _OPERATORS.items()}
 
 
 def _aug_grad_of(value: Any, op: str, operand: Any) -> None:
@@ -98,8 +99,9 @@ def _aug_grad_of(value: Any, op: str, operand: Any) -> None:
     if run is None:
         value.grad = _IN_PLACE[op](value.grad, operand)
         return
+    # Out of place: the served gradient is autograd's own buffer (or a view of it).
     frame = sys._getframe(1)
-    run.write_grad(value, _IN_PLACE[op](run.read_grad(value, frame), operand), frame)
+    run.write_grad(value, _OUT_OF_PLACE[op](run.read_grad(value, frame), operand), frame)
 
 
 def _del_grad_of(value: Any) -> None:
