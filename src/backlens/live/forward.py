@@ -167,6 +167,11 @@ class ForwardRun:
                     mediator.start()
                     self._after(mediator)
                 output = self.model(*args, **kwargs)
+                # The model's own output is served here, once its call has
+                # returned: what a body does next (its backward, often) then
+                # runs with no forward frame left waiting under it, which
+                # measurably slows a backward run from inside a forward hook.
+                output = self._serve_all((OUTPUT, self.model), output)
                 self._finish()
         except StopRun:
             pass
@@ -351,16 +356,21 @@ class ForwardRun:
     # -- hooks (the driver's coroutine) -----------------------------------------
     def on_output(self, module: nn.Module, output: Any) -> Any:
         self._ran[module] = self._ran.get(module, 0) + 1
-        key = (OUTPUT, module)
-        waiters = self._waiting.pop(key, None)
-        if not waiters:
+        if module is self.model:  # served when the model call returns (see execute)
             return None
-        value, changed = output, False
+        key = (OUTPUT, module)
+        if key not in self._waiting:
+            return None
+        value = self._serve_all(key, output)
+        return value if value is not output else None
+
+    def _serve_all(self, key: tuple[str, nn.Module], value: Any) -> Any:
+        """Serve ``value`` to every body waiting for ``key``; the value as they left it."""
+        waiters = self._waiting.pop(key, None)
         while waiters:  # bodies may ask again for the value still at hand (after a barrier)
-            value, served_changed = self._serve(key, value, waiters)
-            changed = changed or served_changed
+            value, _ = self._serve(key, value, waiters)
             waiters = self._waiting.pop(key, None)
-        return value if changed else None
+        return value
 
     def _on_input(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
         if getcurrent() is not self.driver:  # another thread, or a body calling the module
