@@ -247,33 +247,42 @@ def only_decomposes(op: Any) -> bool:
 
 # live tracing
 
-
-def _find_tensor_grad_descriptor() -> Any:
-    """torch's own ``Tensor.grad`` descriptor (defined on the C base class)."""
-    for klass in torch.Tensor.__mro__[1:]:
-        found = klass.__dict__.get("grad")
-        if found is not None and hasattr(found, "__get__") and hasattr(found, "__set__"):
-            return found
-    return None
-
-
-_tensor_grad_descriptor = _find_tensor_grad_descriptor()
-HAS_TENSOR_GRAD_DESCRIPTOR = _tensor_grad_descriptor is not None
+# Switching torch's thread-local modes between a live body and the model at
+# each hand-over (they share one thread). The raw setters skip building a
+# context-manager object per switch; the public ones do the same, slower.
+_raw_set_grad_enabled = getattr(torch._C, "_set_grad_enabled", None)
+_raw_inference_guard = getattr(torch._C, "_InferenceMode", None)
+_raw_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
+HAS_RAW_MODE_SWITCHES = _raw_set_grad_enabled is not None and _raw_inference_guard is not None
 
 CAPABILITIES = (
     *CAPABILITIES,
     Capability(
-        "HAS_TENSOR_GRAD_DESCRIPTOR",
-        HAS_TENSOR_GRAD_DESCRIPTOR,
-        "serving h.grad inside `with loss.backward():` blocks of live tracing",
-        "reading or setting .grad inside a backward block raises TraceError",
+        "HAS_RAW_MODE_SWITCHES",
+        HAS_RAW_MODE_SWITCHES,
+        "keeping a live body's grad/inference/autocast modes apart from the model's at each hand-over, cheaply",
+        "the same through torch's public context managers, a few microseconds slower per hand-over",
     ),
 )
 
 
-def tensor_grad_descriptor() -> Any:
-    """The descriptor behind ``Tensor.grad`` (None if torch moved it)."""
-    return _tensor_grad_descriptor
+def set_grad_enabled_function() -> Callable[[bool], Any]:
+    """Set the calling thread's grad mode at once (no context-manager object)."""
+    if _raw_set_grad_enabled is not None:
+        return _raw_set_grad_enabled
+    return lambda mode: torch.set_grad_enabled(mode)
+
+
+def inference_mode_guard(enabled: bool) -> Any:
+    """An object whose ``__enter__``/``__exit__`` switch inference mode (and restore it wholesale)."""
+    if _raw_inference_guard is not None:
+        return _raw_inference_guard(enabled)
+    return torch.inference_mode(enabled)
+
+
+def any_autocast_enabled_function() -> Callable[[], bool] | None:
+    """A cheap 'is autocast on for any device' check, or None (then check each device)."""
+    return _raw_any_autocast
 
 
 # checkpoint witness

@@ -70,6 +70,8 @@ _participants: list[weakref.ref] = []
 _runs_by_task: dict[int, Run] = {}
 _local = threading.local()
 _lock = threading.RLock()
+# Called with every run's engine arguments before it starts (see run_arguments).
+_observers: list[Any] = []
 
 
 
@@ -79,6 +81,19 @@ def arm(participant: Participant) -> None:
     with _lock:
         if participant not in _live_participants():
             _participants.append(weakref.ref(participant))
+
+
+def observe(observer: Any) -> None:
+    """Call ``observer(args, kwargs)`` before every engine run (installs the wrapper once)."""
+    _torch.install_engine_wrapper(_make_wrapper)
+    with _lock:
+        _observers.append(observer)
+
+
+def unobserve(observer: Any) -> None:
+    with _lock:
+        if observer in _observers:
+            _observers.remove(observer)
 
 
 def disarm(participant: Participant) -> None:
@@ -107,6 +122,8 @@ def set_trigger_override(name: str | None) -> None:
 
 def _make_wrapper(original):
     def run_engine(t_outputs, *args, **kwargs):
+        if _observers:
+            _notify(args, kwargs)
         if not _participants:
             return original(t_outputs, *args, **kwargs)
         run = _open_explicit_run(t_outputs, args, kwargs)
@@ -137,6 +154,19 @@ def _make_wrapper(original):
         return result
 
     return run_engine
+
+
+def _notify(args, kwargs) -> None:
+    for observer in list(_observers):
+        observer(args, kwargs)
+
+
+def run_arguments(args, kwargs) -> tuple[bool, bool]:
+    """``(accumulates into .grad, retains the graph)`` for an engine run's arguments."""
+    retain = _arg(args, kwargs, 1, "retain_graph", None)
+    create = bool(_arg(args, kwargs, 2, "create_graph", False))
+    accumulate = bool(_arg(args, kwargs, 5, "accumulate_grad", True))
+    return accumulate, bool(retain) if retain is not None else create
 
 
 def _forget(run: Run, pending: list[Run]) -> None:
