@@ -13,10 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from rank_launch import run_ranks
+from rank_launch import WORLD_SIZE, run_ranks
 from safetensors.torch import load_file
 
-WORLD_SIZE = 2
 TIMEOUT = 240  # seconds for the whole world, on a loaded two-core machine
 
 

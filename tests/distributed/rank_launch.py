@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+WORLD_SIZE = 2  # the tests' world: two ranks
+
 
 def free_port() -> int:
     with socket.socket() as probe:

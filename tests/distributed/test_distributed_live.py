@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import WORLD_SIZE
+from rank_launch import WORLD_SIZE
 
 
 @pytest.mark.parametrize("rank", range(WORLD_SIZE))

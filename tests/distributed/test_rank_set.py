@@ -6,7 +6,7 @@ import json
 import shutil
 
 import pytest
-from conftest import WORLD_SIZE
+from rank_launch import WORLD_SIZE
 from rank_worker import SLEEP
 
 import backlens as bl
