@@ -85,7 +85,11 @@ class CollectiveRecorder:
         notes: list[str] = []
         hooks = []
         for ddp in ddp_models:
-            hook = ddp_bucket_hook(ddp)
+            try:
+                hook = ddp_bucket_hook(ddp)
+            except Exception as exc:  # noqa: BLE001 - capture goes on; its all-reduces are not recorded
+                notes.append(f"registering backlens's communication hook failed ({type(exc).__name__}: {exc})")
+                continue
             if hook is None:
                 notes.append(f"the DDP model at {addresses.get(id(ddp), '?') or '(model)'!r} has a communication "
                              "hook of its own registered before the capture: its all-reduces are not recorded")
@@ -122,18 +126,22 @@ class CollectiveRecorder:
         hooks: list[DdpBucketHook] = []
         swapped: list[tuple[Any, Any, Any]] = []
         try:
-            for hook in self._ddp_hooks:
-                hook.recorders.append((self, pass_))
-                hooks.append(hook)
-            for fsdp_group in self._fsdp_groups:
-                all_gather, reduce_scatter = _torch.fsdp_comms(fsdp_group.group)
-                swapped.append((fsdp_group.group, all_gather, reduce_scatter))
-                _torch.set_fsdp_comms(
-                    fsdp_group.group,
-                    RecordingComm(all_gather, "all_gather", self, pass_, fsdp_group.params, fsdp_group.modules),
-                    RecordingComm(reduce_scatter, "reduce_scatter", self, pass_, fsdp_group.params,
-                                  fsdp_group.modules),
-                )
+            try:
+                for hook in self._ddp_hooks:
+                    hook.recorders.append((self, pass_))
+                    hooks.append(hook)
+                for fsdp_group in self._fsdp_groups:
+                    all_gather, reduce_scatter = _torch.fsdp_comms(fsdp_group.group)
+                    swapped.append((fsdp_group.group, all_gather, reduce_scatter))
+                    _torch.set_fsdp_comms(
+                        fsdp_group.group,
+                        RecordingComm(all_gather, "all_gather", self, pass_, fsdp_group.params,
+                                      fsdp_group.modules),
+                        RecordingComm(reduce_scatter, "reduce_scatter", self, pass_, fsdp_group.params,
+                                      fsdp_group.modules),
+                    )
+            except Exception as exc:  # noqa: BLE001 - the backward runs unrecorded rather than not at all
+                self.failed(exc)
             yield
         finally:
             for group, all_gather, reduce_scatter in reversed(swapped):

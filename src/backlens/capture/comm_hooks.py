@@ -107,7 +107,7 @@ def ddp_bucket_hook(ddp: Any) -> DdpBucketHook | None:
         hooks_before = list(getattr(ddp, "_comm_hooks", []))
         try:
             ddp.register_comm_hook(None, candidate.all_reduce)
-        except RuntimeError:  # a built-in hook is registered (in C++, not listed in _comm_hooks)
+        except (RuntimeError, ValueError):  # a built-in hook is registered (in C++, not in _comm_hooks)
             if hasattr(ddp, "_comm_hooks"):
                 ddp._comm_hooks[:] = hooks_before
         else:
