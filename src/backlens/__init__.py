@@ -11,7 +11,7 @@ from backlens.capturing import Capture, capture, load
 from backlens.derive.dispatch import derive
 from backlens.derive.record import DerivedGrads
 from backlens.distributed.rankset import RankSet
-from backlens.edits import add_noise, clamp, clip_norm, grad, scale, when, zero_ablate
+from backlens.edits import add_noise, clamp, clip_norm, grad, keep_grad, scale, when, zero_ablate
 from backlens.errors import (
     AmbiguousGradError,
     BacklensError,
@@ -27,6 +27,7 @@ from backlens.errors import (
     NonFiniteGradError,
     OnceOnlyNodeError,
     OutOfOrderError,
+    ReplayError,
     SavedTensorModifiedError,
     TraceError,
     UnsupportedFrameworkError,
@@ -68,6 +69,7 @@ __all__ = [
     "NonFiniteGradError",
     "OnceOnlyNodeError",
     "OutOfOrderError",
+    "ReplayError",
     "SavedTensorModifiedError",
     "TraceError",
     "UnsupportedFrameworkError",
@@ -98,6 +100,7 @@ __all__ = [
     "clamp",
     "clip_norm",
     "grad",
+    "keep_grad",
     "scale",
     "when",
     "zero_ablate",

@@ -347,3 +347,75 @@ class _FsdpCapability:
 
 
 CAPABILITIES = (*CAPABILITIES, _FsdpCapability())
+
+
+# checkpoint witness
+# Each torch.utils.checkpoint invocation in a captured forward is witnessed by
+# swapping, for the forward only, the module global that names the
+# non-reentrant checkpoint's saved-tensor hooks class (looked up at each call)
+# for a subclass, and by wrapping the reentrant checkpoint Function's forward.
+
+import torch.utils.checkpoint as _checkpoint_module  # noqa: E402 - grouped with what uses it
+
+_checkpoint_hook_class = getattr(_checkpoint_module, "_checkpoint_hook", None)
+_checkpoint_function = getattr(_checkpoint_module, "CheckpointFunction", None)
+
+HAS_CHECKPOINT_HOOK_CLASS = isinstance(_checkpoint_hook_class, type) and issubclass(
+    _checkpoint_hook_class, torch.autograd.graph.saved_tensors_hooks)
+HAS_REENTRANT_CHECKPOINT_FUNCTION = isinstance(_checkpoint_function, type) and isinstance(
+    _checkpoint_function.__dict__.get("forward"), staticmethod)
+
+CAPABILITIES = (
+    *CAPABILITIES,
+    Capability(
+        "HAS_CHECKPOINT_HOOK_CLASS",
+        HAS_CHECKPOINT_HOOK_CLASS,
+        "witnessing non-reentrant torch.utils.checkpoint invocations (cap.checkpoints)",
+        "cap.checkpoint_verdict is 'unknown': non-reentrant checkpoints cannot be seen",
+    ),
+    Capability(
+        "HAS_REENTRANT_CHECKPOINT_FUNCTION",
+        HAS_REENTRANT_CHECKPOINT_FUNCTION,
+        "witnessing reentrant torch.utils.checkpoint invocations (cap.checkpoints)",
+        "cap.checkpoint_verdict is 'unknown': reentrant checkpoints cannot be seen",
+    ),
+)
+
+
+def checkpoint_hook_class() -> type | None:
+    """The non-reentrant checkpoint saved-tensor hooks class checkpoints use now (None when missing)."""
+    if not HAS_CHECKPOINT_HOOK_CLASS:
+        return None
+    current = getattr(_checkpoint_module, "_checkpoint_hook", None)
+    return current if isinstance(current, type) and issubclass(current, _checkpoint_hook_class) else None
+
+
+def set_checkpoint_hook_class(cls: type) -> None:
+    """Make non-reentrant checkpoints started from now on use ``cls`` (a subclass, or the original)."""
+    _checkpoint_module._checkpoint_hook = cls
+
+
+def reentrant_checkpoint_forward() -> Any:
+    """The reentrant checkpoint Function's forward as it is now (None when missing)."""
+    if not HAS_REENTRANT_CHECKPOINT_FUNCTION:
+        return None
+    current = _checkpoint_function.__dict__.get("forward")
+    return current.__func__ if isinstance(current, staticmethod) else None
+
+
+def set_reentrant_checkpoint_forward(fn: Any) -> None:
+    _checkpoint_function.forward = staticmethod(fn)
+
+
+# compiled models
+
+
+def compiled_original(module: Any) -> torch.nn.Module | None:
+    """The module a ``torch.compile`` wrapper (dynamo's ``OptimizedModule``) compiles, else None.
+
+    Read by duck typing, so that ``import backlens`` never imports ``torch._dynamo``.
+    """
+    original = getattr(module, "_orig_mod", None)
+    if isinstance(original, torch.nn.Module) and type(module).__module__.startswith("torch._dynamo"):
+        return original
+    return None

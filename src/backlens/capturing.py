@@ -21,11 +21,15 @@ from backlens._distributed import rank_and_world_size
 from backlens._nested import iter_named_tensors, iter_tensors
 from backlens.capture.backward import BackwardRecorder
 from backlens.capture.collectives import CollectiveRecorder
+from backlens.capture.compiled import NOT_COUNTED, is_opaque, original_module, run_opaque
+from backlens.capture.compiled import check_mode as check_compiled_mode
 from backlens.capture.forward import ActivationPolicy, ForwardRecorder
 from backlens.capture.interventions import ArmedEdits
 from backlens.capture.policy import GradPolicy
+from backlens.capture.replay_record import ReplayRecording
 from backlens.capture.state import CaptureState, InputEntry, ParamEntry
 from backlens.capture.unmatched import UnmatchedSelectorWarner, warn_if_no_activation_kept
+from backlens.cost.checkpoint_witness import COMPILED_OPAQUE, CheckpointWitness
 from backlens.cost.forward_count import FlopForwardRecorder
 from backlens.cost.journal import CostJournal
 from backlens.cost.observer import FlopObserver
@@ -53,13 +57,15 @@ def capture(
     intervene: Any = (),
     backward: bool = True,
     detect_nonfinite: bool = False,
+    compiled: str = "eager",
     **kwargs: Any,
 ) -> Capture:
     """Run ``model(*args, **kwargs)`` once, record it, and arm backward capture.
 
     The user's graph is not changed: no clone or identity nodes are inserted,
     inputs are not copied, and gradients reach leaves and parameters exactly as
-    without backlens. See API.md §1 for every option.
+    without backlens. See API.md §1 for every option; ``compiled`` says how a
+    ``torch.compile`` model is captured (docs/capture.md).
     """
     if not isinstance(model, torch.nn.Module):
         refuse_other_framework(model, args, kwargs, "bl.capture")
@@ -68,6 +74,9 @@ def capture(
             code="not_a_module",
             remedy="Wrap the callable in an nn.Module (its forward calls the function) and capture that.",
         )
+    check_compiled_mode(compiled)
+    compiled_model, opaque = model, is_opaque(model, compiled)
+    model = original_module(model, compiled)  # a compiled model's own modules and parameters
     # The forward, recorded into the state's journal.
     state = CaptureState(make_store(storage))
     policy = GradPolicy(save_grads)
@@ -80,6 +89,9 @@ def capture(
     )
     if armed.edits_module_outputs:
         recorder.module_output_hook = armed.module_hook
+    if recorder.activations.keeps_any:  # differentiable replay starts from kept activations
+        state.replay = ReplayRecording()
+        recorder.record_replay(state.replay)
     addresses, module_types, params, buffers = _walk_model(model)
     recorder.register_sources("param", params.items())
     recorder.register_sources("buffer", buffers.items())
@@ -88,15 +100,20 @@ def capture(
     grad_enabled = torch.is_grad_enabled()
     inference_mode = torch.is_inference_mode_enabled()
 
-    recorder.attach(addresses, module_types)
+    witness = CheckpointWitness(state)
     journal.seq_start = _torch.sequence_nr()
-    try:
-        with recorder:
-            output = model(*args, **kwargs)
-    finally:
-        recorder.detach()
+    if opaque:  # nothing of backlens in the forward: dynamo sees the model alone
+        witness.journal.add_reason(COMPILED_OPAQUE)
+        output = run_opaque(journal, compiled_model, args, kwargs)
+    else:
+        recorder.attach(addresses, module_types)
+        try:
+            with witness, recorder:
+                output = model(*args, **kwargs)
+        finally:
+            recorder.detach()
     journal.seq_end = _torch.sequence_nr()
-    recorder.finish()
+    recorder.finish(output)
     warn_if_no_activation_kept(save_activations, journal)
     if armed.any:
         armed.check_sites(journal)
@@ -133,7 +150,8 @@ def capture(
         input_tensors=[t for _name, t in inputs],
         source_ids=source_ids | {id(t): source for (_name, t), source in zip(inputs, input_sources)},
         failures=PassFailures(),
-        observers=(([FlopObserver()] if flops else []) + [UnmatchedSelectorWarner()]
+        observers=(([FlopObserver(NOT_COUNTED if opaque else None)] if flops else [])
+                   + [UnmatchedSelectorWarner(), witness]
                    + ([collectives] if collectives is not None else [])) if live else [],
         edits=armed if armed.gradient else None,
         detect_nonfinite=detect_nonfinite,
@@ -144,8 +162,9 @@ def capture(
     else:
         state.recorder.hooking = False  # no pass will open
     options = dict(save_grads=save_grads, save_activations=save_activations, flops=flops, timing=timing,
-                   backward=backward, detect_nonfinite=detect_nonfinite)
-    return Capture(state, output=output, model=model, rerun=(args, kwargs, options, intervene))
+                   backward=backward, detect_nonfinite=detect_nonfinite, compiled=compiled)
+    return Capture(state, output=output, model=compiled_model if opaque else model,
+                   rerun=(args, kwargs, options, intervene))
 
 
 def load(path: str | os.PathLike, *, verify: bool = True) -> LoadedCapture | RankSet:
@@ -306,20 +325,35 @@ class Capture(CaptureRecords):
             remedy="Pass the loss explicitly: cap.backward(loss).",
         )
 
-    def do(self, site: Any, edit: Any, inputs: Any = None, loss: Any = None) -> Capture:
+    def do(self, site: Any, edit: Any, inputs: Any = None, loss: Any = None, *,
+           differentiable: bool = False) -> Capture:
         """Rerun the forward with ``edit`` armed at ``site`` (and the backward when ``loss`` is given).
 
         Returns a new capture; this one is untouched. ``inputs`` replaces the
         original positional inputs (a tuple, or one tensor); ``loss`` is
-        ``lambda cap: tensor``.
+        ``lambda cap: tensor``. ``differentiable=True`` runs no model: it
+        replays the recorded ops downstream of ``site`` from the recorded
+        activations with ``edit`` applied, and returns a fork whose output
+        carries a fresh graph (docs/edits.md).
         """
         if self._rerun is None or self._model is None:
             raise CaptureClosedError("This capture cannot rerun its forward (closed or loaded from disk).")
         args, kwargs, options, intervene = self._rerun
-        if inputs is not None:
-            args = inputs if isinstance(inputs, tuple) else (inputs,)
-        armed = [*as_interventions(intervene), when(site, edit)]
-        new = capture(self._model, *args, intervene=armed, **options, **kwargs)
+        if differentiable:
+            if inputs is not None:
+                raise UnsupportedInputError(
+                    "cap.do(..., differentiable=True) replays the recorded run; it takes no new inputs.",
+                    code="replay_takes_no_inputs",
+                    remedy="Drop inputs=, or rerun with them: cap.do(site, edit, inputs=...).",
+                )
+            from backlens.replaying import replay_fork  # the fork is a layer above the capture
+
+            new = replay_fork(self, site, edit, options, intervene)
+        else:
+            if inputs is not None:
+                args = inputs if isinstance(inputs, tuple) else (inputs,)
+            armed = [*as_interventions(intervene), when(site, edit)]
+            new = capture(self._model, *args, intervene=armed, **options, **kwargs)
         if loss is not None:
             new.backward(loss(new))
         return new

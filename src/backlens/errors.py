@@ -24,6 +24,7 @@ __all__ = [
     "OnceOnlyNodeError",
     "SavedTensorModifiedError",
     "OutOfOrderError",
+    "ReplayError",
     "TraceError",
     "UnsupportedFrameworkError",
     "UnsupportedInputError",
@@ -196,6 +197,13 @@ class NonFiniteGradError(BacklensError, RuntimeError):
 
     code = "nonfinite_grad"
     remedy = "Guard the forward op the message names (clamp its input, add an epsilon, use a stable form)."
+
+
+class ReplayError(BacklensError, RuntimeError):
+    """Differentiable replay cannot rerun what the capture recorded; the message names the op."""
+
+    code = "replay_op_unsupported"
+    remedy = "Rerun the model instead: cap.do(site, edit) without differentiable=True."
 
 
 class BacklensWarning(UserWarning):

@@ -329,6 +329,10 @@ class BackwardRecorder:
         resolved = sum(1 for i in added if nodes[i].order is not None)
         pass_.order_coverage = resolved / len(added) if added else 1.0
 
+    def open_call(self) -> CallEntry | None:
+        """The fire of this capture's graph running on this thread now (None outside its passes)."""
+        return self._open.get((_task_id(), _thread()))
+
     def close_stale(self) -> None:
         """Backstop: close implicit passes whose engine run has drained."""
         if any(p.status == "running" and not p.run.explicit for p in self.passes):

@@ -286,6 +286,13 @@ class ForwardRecorder(TorchFunctionMode):
         self._parent_refs = journal.parent_refs
         # May replace a module call's output (activation edits on module addresses).
         self.module_output_hook: Callable[[ModuleCallEntry, Any], Any] | None = None
+        # Records each op's arguments for differentiable replay (capture/replay_record.py), or None.
+        self.replay: Any = None
+
+    def record_replay(self, recording: Any) -> None:
+        """Record every op's call into ``recording`` (a ReplayRecording) during the forward."""
+        self.replay = recording
+        recording.start(self._ids)
 
     # -- sources ---------------------------------------------------------
     def register_sources(self, kind: str, named: Iterable[tuple[str, Tensor]]) -> list[int]:
@@ -346,6 +353,8 @@ class ForwardRecorder(TorchFunctionMode):
             call.seq_end = _sequence_nr()
             call.op_end = len(self._raw)
             first = output if isinstance(output, Tensor) else first_tensor(output)
+            if self.replay is not None:
+                self.replay.module_output(index, first)
             if first is not None:
                 call.output_shape = tuple(first.shape)
                 node = first.grad_fn
@@ -379,6 +388,8 @@ class ForwardRecorder(TorchFunctionMode):
         if kwargs:
             _collect(kwargs.values(), ids, refs)
         index = len(self._raw)
+        if self.replay is not None:
+            self.replay.record(index, args, kwargs, outputs, primary)
         if outputs is None:
             ids[id(primary)] = index
         else:
@@ -407,12 +418,16 @@ class ForwardRecorder(TorchFunctionMode):
         entry = self.journal.op(index)
         if self.activations.keeps_any and self.activations.keeps(self.state.view(OpView, index)):
             entry.activation = primary.detach().clone()
+            if self.replay is not None and out is not primary:
+                self.replay.keep_other_outputs(index, out)
         if self.op_hook is not None:
             out = self.op_hook(entry, out)
         return out
 
-    def finish(self) -> None:
-        """Drop the forward-time lookup tables (after the forward)."""
+    def finish(self, output: Any = None) -> None:
+        """Drop the forward-time lookup tables (after the forward that returned ``output``)."""
+        if self.replay is not None:
+            self.replay.finish(output)
         self._ids = {}
 
 

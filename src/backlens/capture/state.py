@@ -147,6 +147,8 @@ class CaptureState:
         self.extra_input_grads: list[tuple[int, torch.Tensor, int]] = []
         self.forward_edits: list[Any] = []
         self.cost: Any = None  # a CostJournal (backlens.cost.journal), None without one
+        self.checkpoints: Any = None  # a CheckpointJournal (backlens.cost.checkpoints), None: not witnessed
+        self.replay: Any = None  # a ReplayRecording (live, when activations were kept), None otherwise
         self.store: TensorStore = store if store is not None else MemoryStore()
         self.inference_only = False
         self.inference_cause: str | None = None
@@ -234,6 +236,7 @@ class CaptureState:
         self.table.clear()
         self.journal.drop_nodes()
         self.slots.drop_nodes()
+        self.replay = None  # replay needs the model, which a closed capture lets go of
         self.closed = True
 
     def __del__(self) -> None:

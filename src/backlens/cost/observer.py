@@ -50,20 +50,32 @@ def _enter_a_dispatch_mode() -> None:
 
 
 class FlopObserver:
-    """Counts backward FLOPs of every explicit pass of one capture."""
+    """Counts backward FLOPs of every explicit pass of one capture.
 
-    def __init__(self) -> None:
-        _warm_dispatch_modes()
+    ``cannot_count``: why no pass of this capture can be counted (then no census
+    runs, and each pass says so), or None.
+    """
+
+    def __init__(self, cannot_count: str | None = None) -> None:
+        self._cannot_count = cannot_count
+        if cannot_count is None:
+            _warm_dispatch_modes()
         self._census: dict[int, BackwardCensus] = {}
 
-    def run_context(self, run: Any, pass_: Any) -> BackwardCensus:
+    def run_context(self, run: Any, pass_: Any) -> BackwardCensus | None:
+        if self._cannot_count is not None:
+            return None
         census = self._census[pass_.number] = BackwardCensus(create_graph=run.create_graph)
         return census
+
+    def census_of(self, number: int) -> BackwardCensus | None:
+        """The census of pass ``number`` while it runs."""
+        return self._census.get(number)
 
     def on_pass_close(self, state: Any, pass_: Any, error: BaseException | None) -> None:
         census = self._census.pop(pass_.number, None)
         calls = [state.calls[i] for i in pass_.calls]
-        reason = no_count_reason(census, pass_.trigger, pass_.run.explicit, error)
+        reason = self._cannot_count or no_count_reason(census, pass_.trigger, pass_.run.explicit, error)
         if reason is not None:
             for entry in calls:
                 entry.flops = entry.recompute_flops = None

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from backlens import _torch
+from backlens.cost.aten_ops import aten_columns
 from backlens.cost.census import BackwardCensus
 from backlens.cost.formulas import op_name
 
@@ -22,7 +23,7 @@ def uncounted(number: int, reason: str) -> dict[str, Any]:
     return {
         "pass": number, "counted": False, "reason": reason, "executed_flops": None,
         "unattributed_flops": None, "unattributed_ops": [], "recompute_known": False,
-        "recompute_flops": None, "attributed": False, "aten_calls": None,
+        "recompute_flops": None, "attributed": False, "aten_calls": None, "aten_ops": None,
     }
 
 
@@ -89,6 +90,12 @@ def settle(census: BackwardCensus, number: int, calls: list[Any], state: Any) ->
         {"op": name, "under": under, "calls": n, "flops": flops}
         for (name, under), (n, flops) in buckets.items()
     ]
+    position_of = {entry.node: position for entry, position in zip(calls, state.passes[number - 1].calls)}
+
+    def call_of(node: Any) -> int | None:
+        index = index_of.get(node)
+        return position_of.get(index) if index is not None else None
+
     return {
         "pass": number,
         "counted": True,
@@ -100,4 +107,5 @@ def settle(census: BackwardCensus, number: int, calls: list[Any], state: Any) ->
         "recompute_flops": recompute if known else None,
         "attributed": attributed,
         "aten_calls": census.aten_calls,
+        "aten_ops": aten_columns(census.aten, call_of),
     }

@@ -13,6 +13,8 @@ Layout (``FORMAT_VERSION`` 2; the sections and their fields are io/schema.py's):
                                           parameter's and input's gradient
     forward_edits                         the activation edits applied in the forward
     cost                                  the cost journal (FLOPs per op and per pass), or null
+    checkpoints                           each torch.utils.checkpoint invocation and its
+                                          recomputations, with the verdict's reasons, or null
     tensors                               files: {name: {bytes, sha256}}; index: {tensor name:
                                           {file, dtype, shape, offsets, sha256}}
     checksum                              sha256 of the canonical JSON of everything above

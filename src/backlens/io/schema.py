@@ -33,6 +33,7 @@ from backlens.capture.state import (
     ParamEntry,
     PassEntry,
 )
+from backlens.cost.checkpoints import CheckpointEntry, CheckpointJournal, RecomputeEntry
 from backlens.cost.journal import CostJournal
 from backlens.graph.engine import CallSite
 from backlens.graph.table import NodeEntry, NodeTable
@@ -312,6 +313,18 @@ SLOTS = Schema({"ops": list_of(row(ref("ops"), ref("grad_fns"))),
                 "extra_input_grads": list_of(row(ref("inputs"), TENSOR, number("passes")))},
                lambda _at, **f: f,
                lambda fields: fields)
+RECOMPUTE = Schema({"pass_number": number("passes"), "call": optional(ref("calls")),
+                   "recompute_flops": optional(INT), "duration_ns": optional(INT)},
+                  lambda _at, **f: RecomputeEntry(**f))
+CHECKPOINT = Schema({"module_call": optional(ref("modules")), "op_start": upto("ops"), "op_end": upto("ops"),
+                     "packed": optional(INT), "reentrant": BOOL, "recomputed": entries(RECOMPUTE)},
+                    lambda _at, **f: CheckpointEntry(**f),
+                    # a recomputation whose pass still runs has no call position yet: not written
+                    lambda e: {"module_call": e.module_call, "op_start": e.op_start, "op_end": e.op_end,
+                               "packed": e.packed, "reentrant": e.reentrant,
+                               "recomputed": [r for r in e.recomputed if r.call_entry is None]})
+CHECKPOINTS = Schema({"entries": entries(CHECKPOINT), "reasons": list_of(STR)},
+                     lambda _at, **f: CheckpointJournal(**f))
 
 
 def _local(tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -341,6 +354,7 @@ SECTIONS: dict[str, Kind] = {
     "grad_slots": one(SLOTS),
     "forward_edits": entries(EDIT),
     "cost": optional(COST),
+    "checkpoints": optional(one(CHECKPOINTS)),
 }
 
 
@@ -370,6 +384,7 @@ def encode_state(state: CaptureState, refs: Any) -> dict[str, Any]:
         },
         "forward_edits": state.forward_edits,
         "cost": state.cost,
+        "checkpoints": state.checkpoints,
     }
     return {name: kind.write(values[name], refs) for name, kind in SECTIONS.items()}
 
@@ -403,4 +418,5 @@ def decode_state(body: dict[str, Any], ctx: Any, store: Any) -> CaptureState:
     state.extra_input_grads = list(slots["extra_input_grads"])
     state.forward_edits = sections["forward_edits"]
     state.cost = sections["cost"]
+    state.checkpoints = sections["checkpoints"]
     return state

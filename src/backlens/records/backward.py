@@ -13,6 +13,7 @@ import torch
 from backlens.capture.views import NodeView, entry_field
 from backlens.errors import LabelNotFoundError
 from backlens.graph.labels import call_label
+from backlens.records.aten import AtenOpList, aten_ops_of
 from backlens.records.base import Record, RecordList
 from backlens.records.collectives import CollectiveList
 
@@ -194,6 +195,13 @@ class BackwardPass(Record):
         number = self._entry.number
         state = self._state
         return CollectiveList(state, [i for i, e in enumerate(state.collectives) if e.pass_number == number])
+
+    @property
+    def aten_ops(self) -> AtenOpList | None:
+        """Every ATen call the pass dispatched, in order (None when its FLOPs were not counted)."""
+        cost = self._state.cost
+        counted = cost.pass_cost(self._entry.number) if cost is not None else None
+        return aten_ops_of(self._state, counted.get("aten_ops") if counted is not None else None)
 
     def row(self) -> dict[str, Any]:
         error = self.error

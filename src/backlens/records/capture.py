@@ -12,6 +12,7 @@ from typing import Any
 from backlens.graph.labels import label_not_found
 from backlens.records.backward import BackwardPass, CallList, GradFn, PassList
 from backlens.records.base import RecordList
+from backlens.records.checkpoints import NOT_WITNESSED, CheckpointRecord
 from backlens.records.collectives import CollectiveList
 from backlens.records.forward import InputRecord, ModuleCallRecord, OpRecord, ParamRecord
 
@@ -77,6 +78,24 @@ class CaptureRecords:
     def last_pass(self) -> BackwardPass | None:
         passes = self.passes
         return passes[-1] if len(passes) else None
+
+    @property
+    def checkpoints(self) -> RecordList[CheckpointRecord]:
+        """One record per ``torch.utils.checkpoint`` invocation in the forward."""
+        journal = self._state.checkpoints
+        return RecordList(self._state, CheckpointRecord, range(len(journal.entries) if journal is not None else 0))
+
+    @property
+    def checkpoint_verdict(self) -> str:
+        """``"observed"``, ``"none_observed"`` (complete evidence of none) or ``"unknown"``."""
+        journal = self._state.checkpoints
+        return journal.verdict if journal is not None else "unknown"
+
+    @property
+    def checkpoint_reasons(self) -> list[str]:
+        """Why the checkpoint evidence is incomplete (empty when it is complete)."""
+        journal = self._state.checkpoints
+        return list(journal.reasons) if journal is not None else [NOT_WITNESSED]
 
     def __getitem__(self, label: str) -> Any:
         """An op by label, else a module call by address, a node or a node call by label."""
