@@ -10,6 +10,7 @@ from backlens._version import __version__
 from backlens.capturing import Capture, capture, load
 from backlens.derive.dispatch import derive
 from backlens.derive.record import DerivedGrads
+from backlens.distributed.rankset import RankSet
 from backlens.edits import add_noise, clamp, clip_norm, grad, keep_grad, scale, when, zero_ablate
 from backlens.errors import (
     AmbiguousGradError,
@@ -104,6 +105,7 @@ __all__ = [
     "when",
     "zero_ablate",
     # storage and bundles
+    "RankSet",
     "load",
     "to_disk",
     # live tracing

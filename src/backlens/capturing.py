@@ -17,8 +17,10 @@ from typing import Any
 import torch
 
 from backlens import _torch
+from backlens._distributed import rank_and_world_size
 from backlens._nested import iter_named_tensors, iter_tensors
 from backlens.capture.backward import BackwardRecorder
+from backlens.capture.collectives import CollectiveRecorder
 from backlens.capture.compiled import NOT_COUNTED, is_opaque, original_module, run_opaque
 from backlens.capture.compiled import check_mode as check_compiled_mode
 from backlens.capture.forward import ActivationPolicy, ForwardRecorder
@@ -34,6 +36,7 @@ from backlens.cost.observer import FlopObserver
 from backlens.derive.bundle import is_derived
 from backlens.derive.bundle import load as load_derived
 from backlens.derive.frameworks import refuse_other_framework
+from backlens.distributed.rankset import RankSet, rank_bundle_dirs
 from backlens.edits import as_interventions, when
 from backlens.errors import BackwardUnavailableError, CaptureClosedError, UnsupportedInputError
 from backlens.graph import engine
@@ -125,6 +128,7 @@ def capture(
     state.inference_cause = _inference_cause((grad_enabled, inference_mode), params, inputs)
     state.backward_requested = backward
     state.flops_enabled = flops
+    state.rank, state.world_size = rank_and_world_size()
     state.cost = CostJournal(pending_forward=recorder.forward_cost() if flops else None)
 
     # The backward recorder: it discovers the graph when first asked, and records
@@ -132,20 +136,27 @@ def capture(
     if armed.gradient:
         armed.find_gradient_sites(state)
     live = backward and not state.inference_only
+    # Under torch.distributed: the collectives of DDP and FSDP2 parts, each pass's own.
+    collectives = (CollectiveRecorder.for_model(state, model, addresses, params)
+                   if live and state.rank is not None else None)
+    source_ids = {id(p): i for i, p in enumerate(params.values())}
+    if collectives is not None:
+        source_ids |= collectives.param_aliases({name: i for i, name in enumerate(params)})
     state.recorder = BackwardRecorder(
         state,
         [t.grad_fn for t in outputs if t.grad_fn is not None],
         policy,
         timing=timing,
         input_tensors=[t for _name, t in inputs],
-        source_ids={id(p): i for i, p in enumerate(params.values())}
-        | {id(t): source for (_name, t), source in zip(inputs, input_sources)},
+        source_ids=source_ids | {id(t): source for (_name, t), source in zip(inputs, input_sources)},
         failures=PassFailures(),
         observers=(([FlopObserver(NOT_COUNTED if opaque else None)] if flops else [])
-                   + [UnmatchedSelectorWarner(), witness]) if live else [],
+                   + [UnmatchedSelectorWarner(), witness]
+                   + ([collectives] if collectives is not None else [])) if live else [],
         edits=armed if armed.gradient else None,
         detect_nonfinite=detect_nonfinite,
     )
+    state.recorder.end_fires_at_drain = collectives is not None
     if live:
         state.recorder.arm()
     else:
@@ -156,14 +167,18 @@ def capture(
                    rerun=(args, kwargs, options, intervene))
 
 
-def load(path: str | os.PathLike, *, verify: bool = True) -> LoadedCapture:
+def load(path: str | os.PathLike, *, verify: bool = True) -> LoadedCapture | RankSet:
     """Read the bundle at ``path`` as a read-only capture (API.md §6, docs/bundles.md).
 
-    ``verify=False`` skips hashing the shards (faster for very large bundles);
-    sizes and headers are still checked.
+    A directory of rank bundles (``bl.to_disk("run/rank{rank}")`` on every rank
+    of a distributed run) reads as a :class:`RankSet` (API.md §10,
+    docs/distributed.md). ``verify=False`` skips hashing the shards (faster for
+    very large bundles); sizes and headers are still checked.
     """
     if is_derived(path):
         return load_derived(path, verify=verify)
+    if rank_bundle_dirs(path) is not None:
+        return RankSet.load(path, lambda directory: LoadedCapture(*read_bundle(directory, verify=verify)))
     state, info = read_bundle(path, verify=verify)
     return LoadedCapture(state, info)
 

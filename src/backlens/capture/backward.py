@@ -8,12 +8,15 @@ keeps), a pass as a pass entry. Hooks never change gradients unless an edit is
 armed for that node.
 
 A fire starts at its pre-hook and ends when the engine starts the next node
-on the same thread for the same run (or when the run ends). Its duration
-therefore includes the engine routing the node's outputs to the nodes that
-consume them (summing gradients that arrive from several paths), and leaves
-out backlens's own work in its hooks (edits, copies of kept gradients,
-non-finite checks); per thread, the durations of a pass's fires add up to the
-time the engine spent in it, less that work.
+on the same thread for the same run (or when the run ends; under
+``torch.distributed``, when the engine has run the pass's last node, before
+the final callbacks that wait for collectives). Its duration therefore
+includes the engine routing the node's outputs to the nodes that consume them
+(summing gradients that arrive from several paths), and leaves out
+backlens's own work in its hooks (edits, copies of kept gradients, non-finite
+checks) and the time spent in collectives issued inside it
+(capture/collectives.py charges that to them); per thread, the durations of a
+pass's fires add up to the time the engine spent in it, less that work.
 """
 
 from __future__ import annotations
@@ -94,6 +97,9 @@ class BackwardRecorder:
         self._next_policy: GradPolicy | None = None
         self.armed = False
         self.hooking = True
+        # Under torch.distributed: end each pass's last fire when the engine has run its
+        # nodes, before the final callbacks that wait for collectives (DDP's, FSDP's).
+        self.end_fires_at_drain = False
 
     # -- arming ----------------------------------------------------------
     def arm(self) -> None:
@@ -349,7 +355,28 @@ class BackwardRecorder:
         if pass_ is not None:
             self._task = task
             self._pass = pass_
+            if self.end_fires_at_drain and not pass_.drain_queued:
+                # Queued at the pass's first fire, so it runs before callbacks queued later.
+                pass_.drain_queued = _torch.queue_engine_callback(partial(self._drained, pass_))
         return pass_
+
+    def _drained(self, pass_: PassEntry) -> None:
+        """The engine has run every node of the pass: the fires still open end now."""
+        try:
+            now = _now()
+            for key, entry in list(self._open.items()):
+                if entry.pass_number == pass_.number and pass_.status == "running":
+                    del self._open[key]
+                    self._finish(entry, now, pass_)
+        except Exception:  # noqa: BLE001, S110 - never into the engine; close_pass ends them instead
+            pass
+
+    def charge_wait(self, nanoseconds: int) -> None:
+        """Time the rank spent in a collective inside the fire open on this thread: the
+        collective's, not the node's (leaves the fire's ``duration``)."""
+        entry = self._open.get((_task_id(), _thread()))
+        if entry is not None:
+            entry.wait_ns += nanoseconds
 
     def _on_sentinel_pre(self, node: Any, grad_outputs: tuple) -> tuple | None:
         if not self.armed:

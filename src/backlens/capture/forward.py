@@ -200,13 +200,18 @@ class ForwardJournal:
         ``Function.apply`` is invisible to the mode and takes its node's sequence
         number before running forward under no_grad, so the ops of that forward
         make no node and sit at ``seq + 1``; the last of them made the output.
+        Ops that made no node either may follow it in later module calls (FSDP's
+        unsharding before the next unit): only ops inside the module call that
+        ran the Function count.
         """
         self.op_index_for_sequence_nr(seq)  # refreshes the bracket index
+        call = self.module_call_for_sequence_nr(seq)
         pos = bisect_right(self._op_seq_starts, seq + 1) - 1
         while pos >= 0 and self.raw_ops[pos][2] == seq + 1:
-            if self.raw_ops[pos][3] == seq + 1:
+            inside = call is None or (call.op_start <= pos and (call.op_end is None or pos < call.op_end))
+            if self.raw_ops[pos][3] == seq + 1 and inside:
                 return self.op(pos)
-            pos -= 1  # an op after the Function that made nodes of its own
+            pos -= 1  # an op after the Function that made nodes of its own, or outside its call
         return None
 
     def module_call_for_sequence_nr(self, seq: int) -> ModuleCallEntry | None:

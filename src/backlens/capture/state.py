@@ -80,6 +80,7 @@ class CallEntry:
     seq_start: int | None = None
     seq_end: int | None = None
     hook_ns: int = 0  # time spent in backlens's own post-hook inside the fire (not the node's)
+    wait_ns: int = 0  # time inside the fire spent issuing or waiting for collectives (theirs, not the node's)
     flops: int | None = None  # written when the pass closes, by backlens.cost (None: not counted)
     recompute_flops: int | None = None
 
@@ -110,6 +111,23 @@ class PassEntry:
     seq_end: int | None = None
     result: Any = None
     failed_node: int | None = None
+    drain_queued: bool = False  # whether its fires end when the engine drains (distributed captures)
+
+
+@dataclass(eq=False, slots=True)
+class CollectiveEntry:
+    """One collective a backward issued (DDP's bucket all-reduce, FSDP's all-gathers and
+    reduce-scatters): ``bytes`` of the buffer it reduces or gathers, the parameters it
+    carries (by name) and their modules; ``end_ns`` is when its work completed (None
+    until seen complete)."""
+
+    pass_number: int
+    kind: str  # "all_reduce" | "all_gather" | "reduce_scatter"
+    bytes: int
+    start_ns: int
+    end_ns: int | None
+    params: tuple[str, ...]
+    modules: tuple[str, ...]
 
 
 class CaptureState:
@@ -121,6 +139,7 @@ class CaptureState:
         self.calls: list[CallEntry] = []
         self.node_calls: list[list[int]] = []  # per node: its call entries, in firing order
         self.passes: list[PassEntry] = []
+        self.collectives: list[CollectiveEntry] = []  # in the order they were issued
         self.params: list[ParamEntry] = []
         self.inputs: list[InputEntry] = []
         self.slots = GradSlots()
@@ -135,6 +154,8 @@ class CaptureState:
         self.inference_cause: str | None = None
         self.backward_requested = True
         self.flops_enabled = False
+        self.rank: int | None = None  # under torch.distributed: this process's rank and the world size
+        self.world_size: int | None = None
         self.recorder: Any = None  # a live capture's BackwardRecorder
         self.closed = False
         self._views: weakref.WeakValueDictionary = weakref.WeakValueDictionary()

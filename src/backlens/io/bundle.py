@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from backlens._distributed import expand_rank
 from backlens.capture.state import CaptureState
 from backlens.errors import BundleError
 from backlens.io import manifest as manifest_io
@@ -55,6 +56,8 @@ def save_state(state: CaptureState, path: str | os.PathLike | None = None, *, ov
     ``dir``): the manifest is then written into ``dir`` beside the shards
     already there, which makes it a bundle.
     """
+    if path is not None:
+        path = expand_rank(path)  # "run/rank{rank}": this process's rank, as bl.to_disk does
     store = state.store
     if isinstance(store, DiskStore) and (path is None or _same_path(path, store.path)):
         store.finish(state)

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from backlens._distributed import expand_rank
 from backlens.capture.store import MemoryStore
 from backlens.errors import BundleError, UnsupportedInputError
 from backlens.io import manifest as manifest_io
@@ -43,6 +44,8 @@ class DiskSpec:
 def to_disk(path: str | Path, *, shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False) -> DiskSpec:
     """Stream saved tensors into a bundle at ``path`` instead of keeping them in memory.
 
+    A literal ``{rank}`` in ``path`` becomes the capturing process's rank under
+    ``torch.distributed`` (``"run/rank{rank}"``: one bundle per rank; 0 outside it).
     ``path`` must not exist, or be an empty directory; ``overwrite=True`` also
     replaces an earlier bundle there (never any other directory). At most
     ``shard_bytes`` of gradients wait in memory before a shard is written.
@@ -128,7 +131,7 @@ class DiskStore:
 
     def __init__(self, spec: DiskSpec):
         # Absolute, so the manifest lands beside the shards even if the cwd changes.
-        self.path = Path(os.path.abspath(spec.path))
+        self.path = Path(os.path.abspath(expand_rank(spec.path)))
         prepare_directory(self.path, spec.overwrite)
         self.writer = ShardWriter(self.path, "grads", spec.shard_bytes)
         self.reader = ShardReader(self.path)

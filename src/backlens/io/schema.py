@@ -25,7 +25,14 @@ from backlens.capture.forward import ModuleCallEntry, OpEntry
 from backlens.capture.interventions import EditApplication
 from backlens.capture.policy import GradPolicy
 from backlens.capture.slots import GradSlots
-from backlens.capture.state import CallEntry, CaptureState, InputEntry, ParamEntry, PassEntry
+from backlens.capture.state import (
+    CallEntry,
+    CaptureState,
+    CollectiveEntry,
+    InputEntry,
+    ParamEntry,
+    PassEntry,
+)
 from backlens.cost.checkpoints import CheckpointEntry, CheckpointJournal, RecomputeEntry
 from backlens.cost.journal import CostJournal
 from backlens.graph.engine import CallSite
@@ -272,7 +279,7 @@ MODULE_CALL = Schema({"address": STR, "module_address": STR, "call_number": INT,
 PARAM = Schema({"name": STR, "shape": SHAPE, "dtype": DTYPE, "requires_grad": BOOL, "grad": optional(TENSOR)},
                lambda _at, grad, **f: ParamEntry(saved_grad=grad, **f),
                lambda p: {"name": p.name, "shape": p.shape, "dtype": p.dtype, "requires_grad": p.requires_grad,
-                          "grad": p.grad})
+                          "grad": _local(p.grad)})
 INPUT = Schema({"name": STR, "shape": SHAPE, "dtype": DTYPE, "requires_grad": BOOL, "was_parameter": BOOL},
                lambda _at, **f: InputEntry(**f))
 NODE = Schema({"label": STR, "type": STR, "sequence_nr": optional(INT), "op": optional(ref("ops")),
@@ -280,7 +287,8 @@ NODE = Schema({"label": STR, "type": STR, "sequence_nr": optional(INT), "op": op
                "is_custom": BOOL, "param": optional(STR), "source": optional(ref("sources"))},
               lambda at, **f: NodeEntry(index=at, **f))
 CALL = Schema({"node": ref("grad_fns"), "pass_number": number("passes"), "ordinal": INT, "start_ns": optional(INT),
-               "end_ns": INT, "hook_ns": INT, "grad_inputs": optional(SIDE), "grad_outputs": optional(SIDE),
+               "end_ns": INT, "hook_ns": INT, "wait_ns": INT, "grad_inputs": optional(SIDE),
+               "grad_outputs": optional(SIDE),
                "flops": optional(INT), "recompute_flops": optional(INT)},
               lambda _at, **f: CallEntry(**f))
 PASS = Schema({"number": INT, "trigger": STR, "call_site": optional(CALL_SITE), "retain_graph": optional(BOOL),
@@ -288,8 +296,12 @@ PASS = Schema({"number": INT, "trigger": STR, "call_site": optional(CALL_SITE), 
                "end_ns": optional(INT), "orders": list_of(INT), "order_coverage": optional(FLOAT),
                "edits": entries(EDIT)},
               _pass_entry)
+COLLECTIVE = Schema({"pass_number": number("passes"), "kind": STR, "bytes": INT, "start_ns": INT,
+                     "end_ns": optional(INT), "params": list_of(STR), "modules": list_of(STR)},
+                    lambda _at, params, modules, **f: CollectiveEntry(params=tuple(params), modules=tuple(modules),
+                                                                      **f))
 CAPTURE = Schema({"inference_only": BOOL, "backward_requested": BOOL, "flops_enabled": BOOL,
-                  "inference_cause": optional(STR)},
+                  "inference_cause": optional(STR), "rank": optional(INT), "world_size": optional(INT)},
                  lambda _at, **f: f)
 SOURCES = Schema({"kinds": list_of(STR), "names": list_of(STR)},
                  lambda _at, **f: f,
@@ -315,6 +327,12 @@ CHECKPOINTS = Schema({"entries": entries(CHECKPOINT), "reasons": list_of(STR)},
                      lambda _at, **f: CheckpointJournal(**f))
 
 
+def _local(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """A sharded (DTensor) gradient is saved as this rank's shard."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
+
+
 def _read_module_types(value: Any, ctx: Any) -> dict[str, str]:
     _expect(isinstance(value, dict), "an object", value)
     return {address: STR.read(name, ctx) for address, name in value.items()}
@@ -332,6 +350,7 @@ SECTIONS: dict[str, Kind] = {
     "grad_fns": entries(NODE),
     "calls": entries(CALL),
     "passes": entries(PASS),
+    "collectives": entries(COLLECTIVE),
     "grad_slots": one(SLOTS),
     "forward_edits": entries(EDIT),
     "cost": optional(COST),
@@ -355,6 +374,7 @@ def encode_state(state: CaptureState, refs: Any) -> dict[str, Any]:
         "grad_fns": nodes,
         "calls": state.calls,
         "passes": state.passes,
+        "collectives": state.collectives,
         "grad_slots": {
             "ops": sorted(slots.op.items()),
             "modules": sorted(slots.module.items()),
@@ -387,6 +407,7 @@ def decode_state(body: dict[str, Any], ctx: Any, store: Any) -> CaptureState:
     state.table = NodeTable.restored(sections["grad_fns"])
     state.params, state.inputs = sections["params"], sections["inputs"]
     state.calls, state.passes = sections["calls"], sections["passes"]
+    state.collectives = sections["collectives"]
     state.node_calls.extend([] for _ in state.table.types)
     for position, call in enumerate(state.calls):
         state.node_calls[call.node].append(position)

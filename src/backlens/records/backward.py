@@ -15,6 +15,7 @@ from backlens.errors import LabelNotFoundError
 from backlens.graph.labels import call_label
 from backlens.records.aten import AtenOpList, aten_ops_of
 from backlens.records.base import Record, RecordList
+from backlens.records.collectives import CollectiveList
 
 
 class GradFn(Record, NodeView):
@@ -107,9 +108,12 @@ class GradFnCall(Record):
 
     @property
     def duration(self) -> float | None:
-        """Seconds it ran, less backlens's own hook work (None without timing)."""
+        """Seconds it ran, less backlens's own hook work and the time spent in collectives
+        (``pass_.collectives``) issued or waited for inside it (None without timing)."""
         entry = self._entry
-        return (entry.end_ns - entry.start_ns - entry.hook_ns) / 1e9 if entry.start_ns is not None else None
+        if entry.start_ns is None:
+            return None
+        return (entry.end_ns - entry.start_ns - entry.hook_ns - entry.wait_ns) / 1e9
 
     def row(self) -> dict[str, Any]:
         node = self.grad_fn
@@ -151,7 +155,7 @@ class BackwardPass(Record):
     FIELDS = ("number", "trigger", "call_site", "retain_graph", "create_graph", "save_grads_policy", "status",
               "error", "duration", "orders", "order_coverage", "edits")
     COLUMNS = ("number", "trigger", "call_site", "retain_graph", "create_graph", "orders", "order_coverage",
-               "save_grads_policy", "duration", "num_calls", "num_edits", "status", "error")
+               "save_grads_policy", "duration", "num_calls", "num_edits", "num_collectives", "status", "error")
 
     @staticmethod
     def key_of(state: Any, at: int) -> str:
@@ -185,6 +189,14 @@ class BackwardPass(Record):
         return [view(GradFnCall, i) for i in self._entry.calls]
 
     @property
+    def collectives(self) -> CollectiveList:
+        """The collectives issued while it ran (DDP's all-reduces, FSDP's all-gathers and
+        reduce-scatters), in the order they were issued; empty outside ``torch.distributed``."""
+        number = self._entry.number
+        state = self._state
+        return CollectiveList(state, [i for i, e in enumerate(state.collectives) if e.pass_number == number])
+
+    @property
     def aten_ops(self) -> AtenOpList | None:
         """Every ATen call the pass dispatched, in order (None when its FLOPs were not counted)."""
         cost = self._state.cost
@@ -205,6 +217,7 @@ class BackwardPass(Record):
             "duration": self.duration,
             "num_calls": len(self._entry.calls),
             "num_edits": len(self.edits),
+            "num_collectives": sum(1 for e in self._state.collectives if e.pass_number == self._entry.number),
             "status": self.status,
             "error": None if error is None else (str(error).splitlines() or [""])[0],
         }

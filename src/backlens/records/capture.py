@@ -13,6 +13,7 @@ from backlens.graph.labels import label_not_found
 from backlens.records.backward import BackwardPass, CallList, GradFn, PassList
 from backlens.records.base import RecordList
 from backlens.records.checkpoints import NOT_WITNESSED, CheckpointRecord
+from backlens.records.collectives import CollectiveList
 from backlens.records.forward import InputRecord, ModuleCallRecord, OpRecord, ParamRecord
 
 
@@ -55,6 +56,23 @@ class CaptureRecords:
     def passes(self) -> PassList:
         self._state.sync()
         return PassList(self._state, range(len(self._state.passes)))
+
+    @property
+    def collectives(self) -> CollectiveList:
+        """Every collective issued in a backward pass of this capture (``pass_.collectives``
+        holds one pass's)."""
+        self._state.sync()
+        return CollectiveList(self._state, range(len(self._state.collectives)))
+
+    @property
+    def rank(self) -> int | None:
+        """This process's rank under ``torch.distributed`` when it captured (None outside)."""
+        return self._state.rank
+
+    @property
+    def world_size(self) -> int | None:
+        """The world size under ``torch.distributed`` when it captured (None outside)."""
+        return self._state.world_size
 
     @property
     def last_pass(self) -> BackwardPass | None:

@@ -5,7 +5,12 @@ order (a parent before its children), plus two rows that make the backward
 column add up: backward work of nodes with no forward op (the loss, built
 after the forward) and unattributed work (ATen calls under no node of the
 captured graph; the forward FLOPs of an op outside every module call land
-there too).
+there too). Under ``torch.distributed``, one more row per collective kind
+(``"(all_reduce)"``, ``"(all_gather)"``, ``"(reduce_scatter)"``, kind
+``"collective"``): how many the covered passes issued and the time from each
+one's issue to its completion; collectives run no autograd kernel, so their
+backward FLOPs are 0, and the time a rank waited for them is theirs, not a
+module's.
 
 A node call's FLOPs and time go to the module call its node belongs to: its
 forward op's, or for AccumulateGrad its parameter's module.
@@ -35,7 +40,7 @@ class CostRow:
     """One module call (or one of the two catch-all rows) of the cost tree."""
 
     address: str
-    kind: str  # "module" | "no_forward_op" | "unattributed"
+    kind: str  # "module" | "no_forward_op" | "unattributed" | "collective"
     module_type: str | None
     parent: str | None
     depth: int
@@ -185,6 +190,7 @@ def cost_tree(cap: Any, pass_: int | None = None) -> CostTree:
                 target.self_recompute_flops += call.recompute_flops
     if flops_on:
         unattributed.self_backward_flops = sum(journal.pass_cost(n)["unattributed_flops"] for n in counted)
+    collective_rows = _collective_rows(cap, timed, forward_known=journal.forward is not None, flops_on=flops_on)
     for row in (*rows, no_op, unattributed):
         if not recompute_known:
             row.self_recompute_flops = None
@@ -201,12 +207,41 @@ def cost_tree(cap: Any, pass_: int | None = None) -> CostTree:
         parent.subtree_recompute_flops = _add(parent.subtree_recompute_flops, row.subtree_recompute_flops)
         if row.subtree_backward_time is not None:
             parent.subtree_backward_time = (parent.subtree_backward_time or 0.0) + row.subtree_backward_time
-    rows += [no_op, unattributed]
+    rows += [no_op, unattributed, *collective_rows]
     by_address[NO_FORWARD_OP] = no_op
     by_address[UNATTRIBUTED] = unattributed
+    by_address.update((row.address, row) for row in collective_rows)
     executed = sum(journal.pass_cost(n)["executed_flops"] for n in counted) if flops_on else None
     return CostTree(rows=rows, passes=sorted(counted), backward_state=state, backward_reason=reason,
                     executed_flops=executed, forward_flops=journal.forward_flops, _by_address=by_address)
+
+
+def collective_row_name(kind: str) -> str:
+    """The cost tree's row for collectives of ``kind`` (``"(all_reduce)"``)."""
+    return f"({kind})"
+
+
+def _collective_rows(cap: Any, timed: set[int], *, forward_known: bool, flops_on: bool) -> list[CostRow]:
+    """One row per collective kind the capture saw (in any pass, so every pass's tree has the
+    same rows), over the collectives of the covered passes."""
+    rows: dict[str, CostRow] = {}
+    for collective in cap.collectives:
+        row = rows.get(collective.kind)
+        if row is None:
+            row = rows[collective.kind] = CostRow(
+                collective_row_name(collective.kind), "collective", None, None, 0, 0 if forward_known else None,
+                0 if flops_on else None, 0 if flops_on else None, None, 0)
+        if collective.pass_number not in timed:
+            continue
+        row.backward_calls += 1
+        if collective.duration is not None:
+            row.self_backward_time = (row.self_backward_time or 0.0) + collective.duration
+    for row in rows.values():
+        row.subtree_forward_mac_flops = row.self_forward_mac_flops
+        row.subtree_backward_flops = row.self_backward_flops
+        row.subtree_recompute_flops = row.self_recompute_flops
+        row.subtree_backward_time = row.self_backward_time
+    return list(rows.values())
 
 
 def _add(a: int | float | None, b: int | float | None) -> int | float | None:

@@ -20,6 +20,12 @@ Where the engine leaves a module call and comes back to it (sibling branches
 interleaved), the call has one slice per stretch, each with
 ``args["stretch"] = "i/n"``. Fires that overlap in time (an engine running
 nodes on several threads) go on separate tracks.
+
+Collectives (``pass_.collectives``, under ``torch.distributed``) are slices of
+their own (kind ``"collective"``, named by their label, ``all_reduce_1:1``),
+from their issue to their completion, on tracks of their own
+(``COLLECTIVE_TRACK`` and up: they run beside the nodes, and overlapping ones
+each get a track).
 """
 
 from __future__ import annotations
@@ -29,12 +35,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ROOT_NAME = "(model)"
+COLLECTIVE_TRACK = 101  # the first track of collectives; node tracks count from 1
 _PID = 1
 
 
 @dataclass(frozen=True)
 class Slice:
-    """One bar of the timeline; ``kind`` is ``"pass"``, ``"module"`` or ``"node"``.
+    """One bar of the timeline; ``kind`` is ``"pass"``, ``"module"``, ``"node"`` or ``"collective"``.
 
     ``start_ns`` and ``duration_ns`` count from the timeline's origin (the
     start of its first pass). ``depth`` is 0 for a pass, then one per module
@@ -101,7 +108,11 @@ class Timeline:
             {"name": "process_name", "ph": "M", "pid": _PID, "tid": 0, "args": {"name": "backlens backward"}},
         ]
         for track in tracks:
-            name = "backward" if track == 1 else f"backward (concurrent fires {track})"
+            if track >= COLLECTIVE_TRACK:
+                lane = track - COLLECTIVE_TRACK + 1
+                name = "collectives" if lane == 1 else f"collectives (overlapping {lane})"
+            else:
+                name = "backward" if track == 1 else f"backward (concurrent fires {track})"
             metadata.append({"name": "thread_name", "ph": "M", "pid": _PID, "tid": track, "args": {"name": name}})
             metadata.append({"name": "thread_sort_index", "ph": "M", "pid": _PID, "tid": track,
                              "args": {"sort_index": track}})
@@ -150,7 +161,9 @@ def timeline(cap: Any, pass_: int | None = None) -> Timeline:
         calls = list(backward_pass.calls)
         timed = [c for c in calls if c.start is not None and c.duration is not None]
         untimed += len(calls) - len(timed)
-        end = max((_ns(c.start) + _ns(c.duration) for c in timed), default=0)
+        # (a pass record without collectives: a stand-in from a test or another tool)
+        collectives = [c for c in getattr(backward_pass, "collectives", ()) if c.duration is not None]
+        end = max((_ns(c.start) + _ns(c.duration) for c in [*timed, *collectives]), default=0)
         span = max(end, _ns(backward_pass.duration) if backward_pass.duration is not None else 0)
         if not timed and backward_pass.duration is None:
             continue
@@ -162,8 +175,10 @@ def timeline(cap: Any, pass_: int | None = None) -> Timeline:
             "status": backward_pass.status,
             "node_calls": len(calls),
             "fire_time_us": sum(_ns(c.duration) for c in timed) / 1e3,
+            "collectives": len(collectives),
         }))
         slices += _pass_slices(backward_pass.number, timed, origin, chain_of)
+        slices += _collective_slices(backward_pass.number, collectives, origin)
         origin += span
     reason = None
     if not slices:
@@ -280,6 +295,28 @@ def _pass_slices(number: int, calls: list[Any], origin: int, chain_of) -> list[S
         close(track, 0)
     _number_stretches(out)
     out.sort(key=lambda s: (s.track, s.start_ns, -s.duration_ns, s.depth))
+    return out
+
+
+def _collective_slices(number: int, collectives: list[Any], origin: int) -> list[Slice]:
+    """One slice per collective, each on the first collective track free at its start."""
+    track_ends: list[int] = []
+    out = []
+    for collective in sorted(collectives, key=lambda c: c.start):
+        start = origin + _ns(collective.start)
+        end = start + _ns(collective.duration)
+        lane = next((i for i, last in enumerate(track_ends) if last <= start), None)
+        if lane is None:
+            lane = len(track_ends)
+            track_ends.append(end)
+        track_ends[lane] = end
+        out.append(Slice(collective.label, "collective", number, start, end - start, 1, COLLECTIVE_TRACK + lane, {
+            "kind": collective.kind,
+            "bytes": collective.bytes,
+            "params": list(collective.params),
+            "modules": list(collective.modules),
+            "pass": number,
+        }))
     return out
 
 
