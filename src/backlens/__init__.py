@@ -13,6 +13,7 @@ from backlens.derive.record import DerivedGrads
 from backlens.edits import add_noise, clamp, clip_norm, grad, scale, when, zero_ablate
 from backlens.errors import (
     AmbiguousGradError,
+    AmbiguousLabelError,
     BacklensError,
     BacklensWarning,
     BackwardUnavailableError,
@@ -54,6 +55,7 @@ from backlens.validate import ValidationResult, validate
 __all__ = [
     # errors and warnings
     "AmbiguousGradError",
+    "AmbiguousLabelError",
     "BacklensError",
     "BacklensWarning",
     "BackwardUnavailableError",

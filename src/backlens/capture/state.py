@@ -100,7 +100,8 @@ class PassEntry:
     error: BaseException | None = None
     end_ns: int | None = None
     orders: list[int] = field(default_factory=list)
-    order_coverage: float | None = None
+    order_coverage: float = 1.0  # the resolved fraction of the nodes that fired (written at close)
+    other_capture_nodes: int = 0  # nodes of the same engine run that other captures recorded
     edits: list[Any] = field(default_factory=list)
     calls: list[int] = field(default_factory=list)  # call entry indices, in firing order
     run: Any = None  # the engine run (graph/engine.py)
