@@ -81,14 +81,13 @@ class BackwardRecorder:
         self.pre_edits: dict[int, Callable[[tuple, PassEntry], tuple | None]] = {}
         self._input_tensors = input_tensors
         self._source_ids = source_ids  # id(parameter or input) -> source index
-        self._source_kinds = state.journal.source_kinds  # "input" | "param" | "buffer", by source index
         self._output_roots = list(output_roots)
         self._handles: list[Any] = []
         self._sentinel_nodes: set[Any] = set()  # output nodes pre-hooked by arm()
         self._post_hooked = self._needs_post_hooks(policy, detect_nonfinite)
         self._forward_discovered = False
         self._forward_nodes = 0  # the first nodes of the table: those the forward made (and its leaves)
-        self._forward_seq = (state.journal.seq_start, state.journal.seq_end)
+        self._forward_start = state.journal.seq_start  # nodes numbered before it are not the forward's
         # Where the graph leaves the forward (non-leaf inputs' grad_fns), until the
         # captures upstream of them are known (``upstream``).
         self._exits: list[Any] = []
@@ -141,18 +140,18 @@ class BackwardRecorder:
         if self._forward_discovered:
             return
         self._forward_discovered = True
-        start = self._forward_seq[0]
-
-        def made_before(node: Any) -> bool:
-            if type(node).__name__ == "AccumulateGrad" or start is None:
-                return False
-            seq = _torch.node_sequence_nr(node)
-            return seq is not None and seq < start
-
-        found, self._exits = walk_bounded(self._output_roots, self.table.knows, made_before)
+        found, self._exits = walk_bounded(self._output_roots, self.table.knows, self._made_before)
         self._add(found)
         self._forward_nodes = len(self.table)
         self._hook_input_exits()
+
+    def _made_before(self, node: Any) -> bool:
+        """Whether ``node`` was made before the forward (another graph's: a non-leaf input's history)."""
+        start = self._forward_start
+        if start is None or type(node).__name__ == "AccumulateGrad":
+            return False
+        seq = _torch.node_sequence_nr(node)
+        return seq is not None and seq < start
 
     def _hook_input_exits(self) -> None:
         """A non-leaf input's gradient is what arrives at its grad_fn, a node of its
@@ -367,13 +366,7 @@ class BackwardRecorder:
         if isinstance(result, (tuple, list)):
             roots.extend(t.grad_fn for t in result if isinstance(t, torch.Tensor) and t.grad_fn is not None)
         pass_.created_roots = []
-        start = self._forward_seq[0]
-
-        def made_before(node: Any) -> bool:  # another graph's (a non-leaf input's history)
-            seq = _torch.node_sequence_nr(node)
-            return start is not None and type(node).__name__ != "AccumulateGrad" and seq is not None and seq < start
-
-        found, _outside = walk_bounded(roots, self.table.knows, made_before)
+        found, _outside = walk_bounded(roots, self.table.knows, self._made_before)
         self._add(found)
 
     def close_stale(self) -> None:
@@ -417,7 +410,10 @@ class BackwardRecorder:
             return None
         now = _now()
         create_graph = pass_.create_graph
-        node = self.table.nodes[index]
+        nodes = self.table.nodes
+        if index >= len(nodes):
+            return None  # the capture closed while this fire was under way
+        node = nodes[index]
         opened = pass_.run.open
         thread = _thread()
         previous = opened.get(thread)
