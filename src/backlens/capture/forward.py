@@ -124,9 +124,6 @@ class ForwardJournal:
             return call_label(entry.address, entry.call)
         return entry.address
 
-    # An op's or node's module, and a module call's address, are read as call labels.
-    module_address = call_label
-
     def calls_of(self, address: str) -> list[int]:
         """The calls of the module at ``address``, in order (empty when it was never called)."""
         return self._calls_by_address.get(address, [])

@@ -61,8 +61,8 @@ class OpView(View):
 
     @property
     def module(self) -> str | None:
-        """Address of the innermost module call the op ran in (None outside the model)."""
-        return self._state.journal.module_address(self._entry.module_call)
+        """Label of the innermost module call the op ran in (None outside the model)."""
+        return self._state.journal.call_label(self._entry.module_call)
 
     @property
     def parents(self) -> list[str]:
