@@ -135,3 +135,23 @@ def test_other_capture_nodes_survive_a_bundle_round_trip(tmp_path):
     loaded = bl.load(ch.save(tmp_path / "head"))
     assert loaded.passes[0].other_capture_nodes == ch.passes[0].other_capture_nodes > 0
     assert bl.report.backward_status(loaded).passes[0].executed_flops == executed(ch)
+
+
+def test_a_non_leaf_input_gradient_is_kept_as_the_policy_says_without_its_history_in_the_records():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh())
+    x = torch.randn(2, 4, requires_grad=True)
+    hidden = x * 3  # made before the capture: not its graph
+    reference = copy.deepcopy(model)
+    hidden_ref = x.detach() * 3
+    hidden_ref.requires_grad_(True)
+    reference(hidden_ref).sum().backward()
+    for policy, kept in ((True, True), (bl.without_op(), True), (bl.label("args[0]"), True),
+                         (bl.module("0"), False), (False, False)):
+        cap = bl.capture(model, hidden, save_grads=policy)
+        cap.output.sum().backward(retain_graph=True)
+        assert "MulBackward0" not in {g.type for g in cap.grad_fns}, policy
+        grads = cap.inputs[0].grads
+        assert len(grads) == int(kept), policy
+        if kept:
+            assert torch.equal(grads[0].tensor, hidden_ref.grad), policy

@@ -91,6 +91,7 @@ class BackwardRecorder:
         # Where the graph leaves the forward (non-leaf inputs' grad_fns), until the
         # captures upstream of them are known (``upstream``).
         self._exits: list[Any] = []
+        self._input_exits: list[tuple[int, InputNode]] = []  # non-leaf inputs: position, what policies see
         self._upstream: list[weakref.ref] | None = None
         self._task: int | None = None
         self._pass: PassEntry | None = None
@@ -159,11 +160,13 @@ class BackwardRecorder:
         if not self.hooking or not self._exits:
             return
         exits = set(self._exits)
+        state = self._state()
         for position, tensor in enumerate(self._input_tensors):
             node = tensor.grad_fn
-            if node is not None and node in exits:
+            if node is not None and node in exits and state is not None:
                 hook = partial(self._on_input_pre, position, tensor.output_nr, node)
                 self._handles.append(node.register_prehook(hook))
+                self._input_exits.append((position, InputNode(state.inputs[position].name, type(node).__name__)))
 
     # -- ownership (graph/engine.py) ---------------------------------------
     def forward_node(self, node: Any) -> bool:
@@ -286,10 +289,18 @@ class BackwardRecorder:
             start_ns=_now(),
             run=run,
             sides=sides,
+            kept_inputs=self._kept_inputs(policy, number),
             seq_start=_sequence_nr(),
         )
         self.passes.append(pass_)
         return pass_
+
+    def _kept_inputs(self, policy: GradPolicy, number: int) -> frozenset[int]:
+        """The non-leaf inputs whose gradient a pass under ``policy`` keeps."""
+        if not self._input_exits or policy.saves_nothing:
+            return frozenset()
+        return frozenset(position for position, stand_in in self._input_exits
+                         if policy.matches(GradSite(stand_in, number, "grad_output")))
 
     def preflight(self, pass_: PassEntry) -> BaseException | None:
         """An error to raise instead of running the engine (a node that cannot run again)."""
@@ -472,17 +483,10 @@ class BackwardRecorder:
                 del opened[_thread()]
         grad = grad_outputs[output_nr] if output_nr < len(grad_outputs) else None
         state = self._state()
-        if grad is None or state is None or not self._keeps_input(state, position, node, pass_):
+        if grad is None or state is None or position not in pass_.kept_inputs:
             return None
         state.extra_input_grads.append((position, grad, pass_.number))
         return None
-
-    def _keeps_input(self, state: CaptureState, position: int, node: Any, pass_: PassEntry) -> bool:
-        policy = pass_.policy
-        if isinstance(policy.spec, bool):
-            return policy.spec
-        stand_in = InputNode(state.inputs[position].name, type(node).__name__)
-        return policy.matches(GradSite(stand_in, pass_.number, "grad_output"))
 
     def _finish(self, entry: CallEntry, end: int, pass_: PassEntry) -> None:
         """Journal a fire once the next one on its thread starts (or its run ends)."""
