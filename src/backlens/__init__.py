@@ -14,6 +14,7 @@ from backlens.distributed.rankset import RankSet
 from backlens.edits import add_noise, clamp, clip_norm, grad, keep_grad, scale, when, zero_ablate
 from backlens.errors import (
     AmbiguousGradError,
+    AmbiguousLabelError,
     BacklensError,
     BacklensWarning,
     BackwardUnavailableError,
@@ -56,6 +57,7 @@ from backlens.validate import ValidationResult, validate
 __all__ = [
     # errors and warnings
     "AmbiguousGradError",
+    "AmbiguousLabelError",
     "BacklensError",
     "BacklensWarning",
     "BackwardUnavailableError",

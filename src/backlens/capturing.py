@@ -38,7 +38,12 @@ from backlens.derive.bundle import load as load_derived
 from backlens.derive.frameworks import refuse_other_framework
 from backlens.distributed.rankset import RankSet, rank_bundle_dirs
 from backlens.edits import as_interventions, when
-from backlens.errors import BackwardUnavailableError, CaptureClosedError, UnsupportedInputError
+from backlens.errors import (
+    BackwardUnavailableError,
+    CaptureClosedError,
+    NoGradientPathError,
+    UnsupportedInputError,
+)
 from backlens.graph import engine
 from backlens.io.bundle import BundleInfo, read_bundle, save_state
 from backlens.io.disk_store import make_store
@@ -117,6 +122,7 @@ def capture(
     warn_if_no_activation_kept(save_activations, journal)
     if armed.any:
         armed.check_sites(journal)
+        armed.label_applications(journal)
 
     # What the capture knows beside the journal.
     state.params = [ParamEntry(name, tuple(p.shape), p.dtype, p.requires_grad, weakref.ref(p))
@@ -286,6 +292,8 @@ class Capture(CaptureRecords):
         if loss is None:
             loss = self._default_loss()
         recorder = self._state.recorder
+        if recorder.armed and not engine.reaches(recorder, loss):
+            raise _foreign_loss()
         recorder.use_policy_for_next_pass(GradPolicy(save_grads) if save_grads is not None else None)
         engine.set_trigger_override("cap.backward")
         try:
@@ -400,6 +408,17 @@ class Capture(CaptureRecords):
         how = "closed" if state.closed else "inference-only" if state.inference_only else "armed"
         return (f"<Capture {how}: {len(state.journal.ops)} ops, {len(state.journal.module_calls)} module calls, "
                 f"{len(state.passes)} backward passes>")
+
+
+def _foreign_loss() -> NoGradientPathError:
+    return NoGradientPathError(
+        "cap.backward(loss): the loss does not depend on this capture's graph: its backward reaches "
+        "none of the nodes this capture's forward made (at most leaf inputs or parameters it shares "
+        "with them), so it would not be this capture's pass. Nothing ran.",
+        code="loss_not_from_capture",
+        remedy="Compute the loss from cap.output; to backpropagate another loss without recording it, "
+        "call loss.backward() directly.",
+    )
 
 
 class LoadedCapture(Capture):

@@ -1,9 +1,9 @@
 """Declarative edits: a site, an edit, and ``when`` to arm one on a capture.
 
 A site is an op label (``"relu_3"``: its activation), ``bl.grad("relu_3")``
-(the gradient of its output), a module address (its output;
-``bl.grad("encoder.layer.0")`` its output gradient), or a selector (every
-matching op). Sites combine with ``|``. An edit maps a tensor to a tensor of
+(the gradient of its output), a module address (the output of every call;
+``bl.grad("encoder.layer.0")`` its output gradient; ``"encoder.layer.0:2"``
+the second call only), or a selector (every matching op). Sites combine with ``|``. An edit maps a tensor to a tensor of
 the same shape and dtype: ``scale``, ``zero_ablate``, ``clamp``,
 ``add_noise``, ``clip_norm``, or any ``fn(value, *, ctx)``.
 """

@@ -71,6 +71,17 @@ class AmbiguousGradError(BacklensError, RuntimeError):
     remedy = "Pick one with .grads[i] or .grad_for(pass_=k)."
 
 
+class AmbiguousLabelError(BacklensError, KeyError):
+    """A record lookup by a name that several records answer to (a module called
+    several times, looked up by its address)."""
+
+    code = "ambiguous_label"
+    remedy = "Name one of them with its :k suffix, as listed in the message."
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return BacklensError.__str__(self)
+
+
 class BackwardUnavailableError(BacklensError, RuntimeError):
     """The capture cannot run or record a backward pass."""
 

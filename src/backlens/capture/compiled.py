@@ -65,7 +65,7 @@ def run_opaque(journal: ForwardJournal, model: Any, args: tuple, kwargs: dict) -
     """Run the compiled ``model`` untouched, journalled as one module call (the root)."""
     original = _torch.compiled_original(model)
     journal.module_types = {"": type(original).__name__}
-    call = ModuleCallEntry(0, "", "", 1, None, op_start=0, seq_start=_torch.sequence_nr())
+    call = ModuleCallEntry(0, "", 1, None, op_start=0, seq_start=_torch.sequence_nr())
     journal.module_calls.append(call)
     output = model(*args, **kwargs)
     call.seq_end = _torch.sequence_nr()

@@ -95,16 +95,16 @@ def _ops_of_target(state: CaptureState, target: Any) -> list[int]:
     ops = [op.index for op in journal.ops if op.label == target]
     if ops:
         return ops
-    calls = [c for c in journal.module_calls if target in (c.address, c.module_address)]
+    calls = [journal.module_calls[i] for i in journal.resolve(target) or ()]
     if not calls:
-        labels = [op.label for op in journal.ops] + [c.address for c in journal.module_calls]
+        labels = [op.label for op in journal.ops] + [journal.call_label(c.index) for c in journal.module_calls]
         raise label_not_found("op or module", target, labels)
     found = []
     for call in calls:
         ref = state.replay.module_outputs.get(call.index)
         if ref is None or ref.index < 0 or ref.position != 0:
             raise ReplayError(
-                f"Module call {call.address!r} returned no tensor a recorded op made first, so there is "
+                f"Module call {journal.call_label(call.index)!r} returned no tensor a recorded op made first, so there is "
                 "no activation to edit and replay from.",
                 code="replay_no_activation",
                 remedy="Name the op that makes the value instead (see cap.modules[...].ops).",
@@ -335,7 +335,7 @@ class Replay:
         """Outputs of site op ``index`` with its edits applied to the first."""
         journal = self.source.journal
         entry = journal.ops[index]
-        module = journal.module_address(entry.module_call)
+        module = journal.call_label(entry.module_call)
         value = outputs[0]
         for intervention, site in self.sites[index].edits:
             if isinstance(intervention.edit, KeepGrad) and not self._warned_keep_grad:
@@ -370,8 +370,7 @@ class Replay:
                 entry = source.module_calls[source_call]
                 parent = call_for(entry.parent)
                 found = fork_call_of[source_call] = len(calls)
-                calls.append(ModuleCallEntry(found, entry.address, entry.module_address, entry.call_number,
-                                             parent, op_start=len(entries)))
+                calls.append(ModuleCallEntry(found, entry.address, entry.call, parent, op_start=len(entries)))
             return found
 
         for position, index in enumerate(self.replayed):

@@ -101,11 +101,13 @@ class PassEntry:
     error: BaseException | None = None
     end_ns: int | None = None
     orders: list[int] = field(default_factory=list)
-    order_coverage: float | None = None
+    order_coverage: float = 1.0  # the resolved fraction of the nodes that fired (written at close)
+    other_capture_nodes: int = 0  # nodes of the same engine run that other captures recorded
     edits: list[Any] = field(default_factory=list)
     calls: list[int] = field(default_factory=list)  # call entry indices, in firing order
     run: Any = None  # the engine run (graph/engine.py)
     sides: list[int] = field(default_factory=list)  # per node: which gradients this pass keeps
+    kept_inputs: frozenset[int] = frozenset()  # non-leaf inputs whose gradient this pass keeps
     created_roots: list[Any] = field(default_factory=list)
     seq_start: int | None = None
     seq_end: int | None = None

@@ -272,9 +272,9 @@ OP = Schema({"name": STR, "label": STR, "module_call": optional(ref("modules")),
              "dtype": optional(DTYPE), "num_outputs": INT, "parents": list_of(ref("ops")),
              "sources": list_of(ref("sources")), "output_nr": INT, "inplace": BOOL, "activation": optional(TENSOR)},
             lambda at, **f: OpEntry(index=at, **f))
-MODULE_CALL = Schema({"address": STR, "module_address": STR, "call_number": INT,
+MODULE_CALL = Schema({"address": STR, "call": INT,
                       "parent": optional(ref("modules")), "op_start": upto("ops"), "op_end": optional(upto("ops")),
-                      "output_shape": optional(SHAPE), "output_nr": INT},
+                      "output_shape": optional(SHAPE), "output_nr": INT, "output_tracked": BOOL},
                      lambda at, **f: ModuleCallEntry(index=at, **f))
 PARAM = Schema({"name": STR, "shape": SHAPE, "dtype": DTYPE, "requires_grad": BOOL, "grad": optional(TENSOR)},
                lambda _at, grad, **f: ParamEntry(saved_grad=grad, **f),
@@ -293,8 +293,8 @@ CALL = Schema({"node": ref("grad_fns"), "pass_number": number("passes"), "ordina
               lambda _at, **f: CallEntry(**f))
 PASS = Schema({"number": INT, "trigger": STR, "call_site": optional(CALL_SITE), "retain_graph": optional(BOOL),
                "create_graph": BOOL, "policy": POLICY, "start_ns": INT, "status": STR, "error": optional(ERROR),
-               "end_ns": optional(INT), "orders": list_of(INT), "order_coverage": optional(FLOAT),
-               "edits": entries(EDIT)},
+               "end_ns": optional(INT), "orders": list_of(INT), "order_coverage": FLOAT,
+               "other_capture_nodes": INT, "edits": entries(EDIT)},
               _pass_entry)
 COLLECTIVE = Schema({"pass_number": number("passes"), "kind": STR, "bytes": INT, "start_ns": INT,
                      "end_ns": optional(INT), "params": list_of(STR), "modules": list_of(STR)},

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from backlens.capture.views import NodeView, entry_field
-from backlens.errors import LabelNotFoundError
+from backlens.errors import AmbiguousLabelError, LabelNotFoundError
 from backlens.graph.labels import call_label
 from backlens.records.aten import AtenOpList, aten_ops_of
 from backlens.records.base import Record, RecordList
@@ -33,9 +33,9 @@ class GradFn(Record, NodeView):
         return state.nodes[at].label
 
     @property
-    def calls(self) -> CallList:
+    def calls(self) -> NodeCalls:
         """This node's calls: ``calls[0]``, ``calls.for_pass(k)``."""
-        return CallList(self._state, self._state.node_calls[self._at])
+        return NodeCalls(self._state, self._state.node_calls[self._at])
 
     def row(self) -> dict[str, Any]:
         op = self.op
@@ -136,14 +136,32 @@ class GradFnCall(Record):
 
 
 class CallList(RecordList[GradFnCall]):
-    """Node calls; by position, by ``"label:k"``, or ``for_pass(k)``."""
+    """Node calls; by position or by ``"label:k"``."""
 
     def __init__(self, state: Any, positions: Any):
         super().__init__(state, GradFnCall, positions)
 
-    def for_pass(self, k: int) -> list[GradFnCall]:
+
+class NodeCalls(CallList):
+    """One node's calls; by position, by ``"label:k"``, or ``for_pass(k)``."""
+
+    def for_pass(self, k: int) -> GradFnCall:
+        """The one call of pass ``k`` (a node fires at most once per engine run)."""
         calls = self._state.calls
-        return [self._record(p) for p in self._positions if calls[p].pass_number == k]
+        found = [p for p in self._positions if calls[p].pass_number == k]
+        if len(found) == 1:
+            return self._record(found[0])
+        fired_in = sorted({calls[p].pass_number for p in self._positions})
+        if not found:
+            raise LabelNotFoundError(
+                f"No call in pass {k}: this node fired in passes {fired_in or 'none'}.",
+                remedy="Pick a pass from the message (1-based), or iterate .calls.",
+            )
+        labels = [self._record(p).label for p in found]
+        raise AmbiguousLabelError(
+            f"{len(found)} calls in pass {k} ({', '.join(labels)}); for_pass(k) gives one.",
+            remedy="Pick one by label or position from .calls.",
+        )
 
 
 class BackwardPass(Record):
@@ -153,9 +171,10 @@ class BackwardPass(Record):
     kind = "backward_pass"
     noun = "backward pass"
     FIELDS = ("number", "trigger", "call_site", "retain_graph", "create_graph", "save_grads_policy", "status",
-              "error", "duration", "orders", "order_coverage", "edits")
+              "error", "duration", "orders", "order_coverage", "other_capture_nodes", "edits")
     COLUMNS = ("number", "trigger", "call_site", "retain_graph", "create_graph", "orders", "order_coverage",
-               "save_grads_policy", "duration", "num_calls", "num_edits", "num_collectives", "status", "error")
+               "save_grads_policy", "duration", "num_calls", "other_capture_nodes", "num_edits", "num_collectives",
+               "status", "error")
 
     @staticmethod
     def key_of(state: Any, at: int) -> str:
@@ -174,7 +193,10 @@ class BackwardPass(Record):
     status = entry_field("status", "``running``, ``ok`` or ``failed``.")
     error = entry_field("error", "The exception a failed pass raised (a loaded one: its type name and message).")
     orders = entry_field("orders", "The node orders that ran (``[1]``; ``[1, 2]`` with second-order nodes).")
-    order_coverage = entry_field("order_coverage", "The resolved fraction of the nodes the pass created.")
+    order_coverage = entry_field("order_coverage", "The resolved fraction (by order) of the nodes that fired in it; "
+                                 "1.0 when all are resolved.")
+    other_capture_nodes = entry_field("other_capture_nodes", "Nodes of the same engine run that belong to other "
+                                      "captures and were recorded there (0 when it ran over this capture alone).")
     edits = entry_field("edits", "Every gradient edit applied in it, with norms before and after.")
 
     @property
@@ -216,6 +238,7 @@ class BackwardPass(Record):
             "save_grads_policy": repr(self.save_grads_policy),
             "duration": self.duration,
             "num_calls": len(self._entry.calls),
+            "other_capture_nodes": self.other_capture_nodes,
             "num_edits": len(self.edits),
             "num_collectives": sum(1 for e in self._state.collectives if e.pass_number == self._entry.number),
             "status": self.status,

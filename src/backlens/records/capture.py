@@ -14,7 +14,7 @@ from backlens.records.backward import BackwardPass, CallList, GradFn, PassList
 from backlens.records.base import RecordList
 from backlens.records.checkpoints import NOT_WITNESSED, CheckpointRecord
 from backlens.records.collectives import CollectiveList
-from backlens.records.forward import InputRecord, ModuleCallRecord, OpRecord, ParamRecord
+from backlens.records.forward import InputRecord, ModuleCallList, OpRecord, ParamRecord
 
 
 class CaptureRecords:
@@ -28,9 +28,9 @@ class CaptureRecords:
         return RecordList(self._state, OpRecord, range(len(self._state.journal.ops)))
 
     @property
-    def modules(self) -> RecordList[ModuleCallRecord]:
-        """Module calls, by position or address (``"encoder.layer.0"``, ``"...:2"``)."""
-        return RecordList(self._state, ModuleCallRecord, range(len(self._state.journal.module_calls)))
+    def modules(self) -> ModuleCallList:
+        """Module calls, by position or address (``"encoder.layer.0"``, ``"encoder.layer.0:2"``)."""
+        return ModuleCallList(self._state, range(len(self._state.journal.module_calls)))
 
     @property
     def params(self) -> RecordList[ParamRecord]:

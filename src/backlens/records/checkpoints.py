@@ -49,7 +49,7 @@ class CheckpointRecord(Record):
     @property
     def module(self) -> str | None:
         """Address of the checkpointed module's call (None for a plain function)."""
-        return self._state.journal.module_address(self._entry.module_call)
+        return self._state.journal.call_label(self._entry.module_call)
 
     @property
     def ops(self) -> list[str]:

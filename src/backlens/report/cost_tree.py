@@ -13,7 +13,10 @@ backward FLOPs are 0, and the time a rank waited for them is theirs, not a
 module's.
 
 A node call's FLOPs and time go to the module call its node belongs to: its
-forward op's, or for AccumulateGrad its parameter's module.
+forward op's, or for AccumulateGrad its parameter's module (its first call, or
+its nearest called ancestor's first call for a module never called itself).
+Rows are named by call label (``lin``; ``lin:1`` and ``lin:2`` when ``lin`` ran
+twice).
 ``self_*`` columns count a module call's own ops; ``subtree_*`` add its
 descendants. Summing ``self_backward_flops`` over all rows gives the executed
 backward FLOPs of the passes the tree covers. Backward columns are ``None``
@@ -26,8 +29,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from backlens._pandas import data_frame
 from backlens.cost.journal import CostJournal
-from backlens.errors import LabelNotFoundError
+from backlens.errors import AmbiguousLabelError, LabelNotFoundError
+from backlens.graph.labels import split_call
 from backlens.report.backward_status import backward_status
 from backlens.report.display import flops_text, seconds_text
 
@@ -87,11 +92,26 @@ class CostTree:
     _by_address: dict[str, CostRow] = field(default_factory=dict, repr=False)
 
     def __getitem__(self, address: str) -> CostRow:
+        """The row of one module call, by its label (``"lin"``, ``"lin:2"``; ``"lin:1"``
+        also when ``lin`` ran once). A module that ran several times has one row per call:
+        its address alone raises ``AmbiguousLabelError`` naming them."""
         found = self._by_address.get(address)
-        if found is None:
-            raise LabelNotFoundError(f"No row {address!r} in the cost tree.",
-                                     remedy="Use a module call address from tree.rows.")
-        return found
+        if found is not None:
+            return found
+        calls = [row.address for row in self.rows if row.kind == "module"
+                 and split_call(row.address) == (address, split_call(row.address)[1])
+                 and split_call(row.address)[1] is not None]
+        if len(calls) > 1:
+            raise AmbiguousLabelError(
+                f"Module {address!r} ran {len(calls)} times: the cost tree has one row per call "
+                f"({', '.join(calls)}).",
+                remedy=f"Name one call: {calls[0]!r} ... {calls[-1]!r}.",
+            )
+        name, number = split_call(address)
+        if number == 1 and name in self._by_address:
+            return self._by_address[name]
+        raise LabelNotFoundError(f"No row {address!r} in the cost tree.",
+                                 remedy="Use a module call label from tree.rows.")
 
     def __iter__(self):
         return iter(self.rows)
@@ -100,9 +120,7 @@ class CostTree:
         return len(self.rows)
 
     def to_pandas(self):
-        import pandas as pd
-
-        return pd.DataFrame([r.row() for r in self.rows], columns=TREE_COLUMNS)
+        return data_frame([r.row() for r in self.rows], TREE_COLUMNS)
 
     def __rich__(self):
         from rich.table import Table
@@ -153,12 +171,12 @@ def cost_tree(cap: Any, pass_: int | None = None) -> CostTree:
     depth_of: dict[str, int] = {}
     for call in cap.modules:
         depth = depth_of[call.parent] + 1 if call.parent is not None and call.parent in depth_of else 0
-        depth_of[call.address] = depth
-        row = CostRow(call.address, "module", call.module_type, call.parent, depth,
+        depth_of[call.label] = depth
+        row = CostRow(call.label, "module", call.module_type, call.parent, depth,
                       0 if journal.forward is not None else None,
                       0 if flops_on else None, 0 if flops_on else None, None, 0)
         rows.append(row)
-        by_address[call.address] = row
+        by_address[call.label] = row
     no_op = CostRow(NO_FORWARD_OP, "no_forward_op", None, None, 0, 0 if journal.forward is not None else None,
                     0 if flops_on else None, 0 if flops_on else None, None, 0)
     unattributed = CostRow(UNATTRIBUTED, "unattributed", None, None, 0, 0 if journal.forward is not None else None,
@@ -175,8 +193,9 @@ def cost_tree(cap: Any, pass_: int | None = None) -> CostTree:
         if call.pass_number not in timed:
             continue
         # A node belongs to its forward op's module call; AccumulateGrad to its
-        # parameter's; nodes built after the forward (the loss) to none.
-        module = call.grad_fn.module
+        # parameter's module (shown under its first call, or under its nearest
+        # called ancestor's when it was never called); the loss to none.
+        module = call.grad_fn.module_call
         target = by_address.get(module) if module is not None else None
         target = target or no_op
         target.backward_calls += 1

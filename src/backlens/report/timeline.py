@@ -34,6 +34,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from backlens._pandas import data_frame
+
 ROOT_NAME = "(model)"
 COLLECTIVE_TRACK = 101  # the first track of collectives; node tracks count from 1
 _PID = 1
@@ -131,10 +133,8 @@ class Timeline:
 
     def to_pandas(self):
         """One row per slice: name, kind, pass, start and duration (seconds), depth, track, args."""
-        import pandas as pd
-
         columns = ["name", "kind", "pass_number", "start", "duration", "depth", "track", "args"]
-        return pd.DataFrame([[s.name, s.kind, s.pass_number, s.start, s.duration, s.depth, s.track, s.args]
+        return data_frame([[s.name, s.kind, s.pass_number, s.start, s.duration, s.depth, s.track, s.args]
                              for s in self.slices], columns=columns)
 
     def module_bars(self, number: int, max_depth: int | None = None) -> list[tuple[str, int, list[Slice]]]:
@@ -191,21 +191,36 @@ def _ns(seconds: float) -> int:
     return round(seconds * 1e9)
 
 
-def _module_label(record: Any) -> str:
-    """A module call's label (``"encoder.layer.0:2"``)."""
-    return getattr(record, "label", None) or record.address
-
-
 def _module_chains(cap: Any):
-    """A function: module call label -> [(label, type)] from the model down to it."""
+    """A function: a node's module (a call label, or a module's address) -> [(name, type)]
+    from the model down to it.
+
+    A module's address that is no call's label names the module itself: an
+    AccumulateGrad node belongs to its parameter's module, whose calls may be
+    several (a slice for the module under its first call's parent) or none
+    (``MultiheadAttention.out_proj``: under its nearest called ancestor).
+    """
     parent: dict[str, str] = {}
     kind: dict[str, str | None] = {}
+    calls_of: dict[str, list[str]] = {}
+    type_of: dict[str, str | None] = {}
     for record in cap.modules:
-        label = _module_label(record)
-        kind[label] = getattr(record, "module_type", None)
+        label = record.label
+        kind[label] = type_of[record.address] = getattr(record, "module_type", None)
+        calls_of.setdefault(record.address, []).append(label)
         for child in record.children:
             parent[child] = label
     cache: dict[str | None, list[tuple[str, str | None]]] = {None: []}
+
+    def anchor_of(address: str) -> str | None:
+        calls = calls_of.get(address)
+        if calls:
+            return parent.get(calls[0])
+        while address:
+            address = address.rpartition(".")[0]
+            if address in kind or address in calls_of:
+                return address
+        return None
 
     def chain(label: str | None) -> list[tuple[str, str | None]]:
         found = cache.get(label)
@@ -215,10 +230,7 @@ def _module_chains(cap: Any):
         if label in kind:
             result = [*chain(parent.get(label)), (label, kind[label])]
         else:
-            # A module that was never called itself (a parameter's owner, as
-            # MultiheadAttention.out_proj): under its nearest called ancestor.
-            above = label.rsplit(".", 1)[0] if "." in label else ""
-            result = [*chain(above if above in kind else None), (label, None)]
+            result = [*chain(anchor_of(label)), (label, type_of.get(label))]
         cache[label] = result
         return result
 
