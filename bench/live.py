@@ -1,22 +1,25 @@
-"""Live tracing: what a trace costs.
+"""Live tracing: what a trace costs, beside the interleaving peer (nnsight).
 
-Two measurements (API.md §2, issue 6):
+Two measurements (API.md §2):
 
 1. **Overhead on a real model.** A 4-layer GPT-2 config (n_embd 256, 4 heads,
-   vocab 1000), batch 4 x seq 64, one intra-op thread: a trace that reads one
-   layer's ``.output`` and saves its ``.grad`` in a ``with loss.backward():``
-   block, against plain forward + backward with one tensor hook on the same
-   layer. Rounds interleave the two (order alternating), and the median of
-   the per-round ratios is printed. Target: <= 1.05x.
+   vocab 1000), batch 4 x seq 64, one intra-op thread: a trace that reads all
+   four blocks' outputs and saves their gradients in a ``with loss.backward():``
+   block, against plain forward + backward with a tensor hook on each block's
+   output. Each round runs plain and traced twice in ABBA order and keeps the
+   faster of each; the median of the per-round ratios is printed, in CPU time
+   (what the code cost) and wall time. Target: <= 1.03x, and no higher than the
+   peer's ratio for the same body, measured in the same run.
 
-2. **Fixed cost per trace on a tiny model**, against the interleaving peer
-   (nnsight): trace time minus the plain equivalent, for a forward-only body,
-   a forward + backward-block body, and a body that edits a layer (which
-   must wake the body at that layer: the general, thread hand-off path). nnsight runs in its own virtual
-   environment, created by this script under /tmp (torch pinned first, so pip
-   never fetches a CUDA build); it is never a dependency of backlens. The
-   peer's figures are measured in a subprocess running this same file, and
-   the two alternate so drift in the machine hits both.
+2. **Fixed cost per trace on a tiny model**, against the peer: trace time minus
+   the plain equivalent, for a forward-only body, a forward + backward-block
+   body, and a body that edits a layer. Target: each no higher than the peer's.
+
+The peer runs in its own virtual environment, created by this script under
+/tmp (torch pinned first, so pip never fetches a CUDA build); it is never a
+dependency of backlens. It is measured by a worker subprocess running this
+same file, and the two sides take turns round by round (who goes first
+alternating), so drift in a shared machine's load hits both alike.
 
     python bench/live.py                 # both
     python bench/live.py --skip-peer     # no nnsight
@@ -39,171 +42,216 @@ from pathlib import Path
 PEER_VENV = Path(os.environ.get("BACKLENS_PEER_VENV", "/tmp/backlens-nnsight-venv"))
 TORCH_PIN = "torch==2.13.0"
 PEER_PIN = os.environ.get("BACKLENS_PEER_SPEC", "nnsight")
+BODIES = ("forward", "forward+backward", "forward edit")
 
 
-# -- shared timing helpers ----------------------------------------------------
+# -- what each side runs (both spell every body the same way) -------------------
 
 
-def _median_us(fn, repeats: int) -> float:
+def _median_us(fn, repeats: int, clock) -> float:
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return statistics.median(times) * 1e6
 
 
-def _tiny():
-    import torch
-    from torch import nn
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
-    return model, torch.randn(2, 4)
+# Wall time, and the process's CPU time: on a machine shared with other work,
+# CPU time is what the code itself cost (time spent preempted is not in it).
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
-def _plain_bodies(model, x):
-    def forward():
-        model(x)
+class Workload:
+    """The tiny model's bodies and the GPT-2 body, traced through ``wrap(model)`` and plain."""
 
-    def forward_backward():
-        h = model[0](x)
-        h.register_hook(lambda grad: None)
-        model[2](model[1](h)).sum().backward()
+    def __init__(self, wrap, gpt2: bool):
+        import torch
+        from torch import nn
 
-    def forward_edit():
-        h = model[0](x) * 2
-        model[2](model[1](h))
+        torch.set_num_threads(1)
+        torch.manual_seed(0)
+        self.tiny = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+        self.x = torch.randn(2, 4)
+        self.tiny_lens = wrap(self.tiny)
+        self.traced = self._tiny_traced()
+        self.plain = self._tiny_plain()
+        for name in BODIES:
+            for _ in range(100):  # warm caches, pools and allocators
+                self.traced[name]()
+                self.plain[name]()
+        if gpt2:
+            self._gpt2_setup(wrap)
 
-    return {"forward": forward, "forward+backward": forward_backward, "forward edit": forward_edit}
+    def _tiny_traced(self):
+        wrapped, x = self.tiny_lens, self.x
+
+        def forward():
+            with wrapped.trace(x):
+                out = wrapped.output.save()  # noqa: F841
+
+        def forward_backward():
+            with wrapped.trace(x):
+                h = wrapped[0].output
+                loss = wrapped.output.sum()
+                with loss.backward():
+                    g = h.grad.save()  # noqa: F841
+
+        def forward_edit():
+            with wrapped.trace(x):
+                wrapped[0].output = wrapped[0].output * 2
+                out = wrapped.output.save()  # noqa: F841
+
+        return {"forward": forward, "forward+backward": forward_backward, "forward edit": forward_edit}
+
+    def _tiny_plain(self):
+        model, x = self.tiny, self.x
+
+        def forward():
+            model(x)
+
+        def forward_backward():
+            h = model[0](x)
+            h.register_hook(lambda grad: None)
+            model[2](model[1](h)).sum().backward()
+
+        def forward_edit():
+            h = model[0](x) * 2
+            model[2](model[1](h))
+
+        return {"forward": forward, "forward+backward": forward_backward, "forward edit": forward_edit}
+
+    def fixed(self, body: str, repeats: int, clock: str) -> dict[str, float]:
+        """One round: median traced and plain time of ``body``, microseconds."""
+        tick = CLOCKS[clock]
+        return {"traced": _median_us(self.traced[body], repeats, tick), "plain": _median_us(self.plain[body], repeats, tick)}
+
+    def _gpt2_setup(self, wrap) -> None:
+        import torch
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        torch.manual_seed(0)
+        config = GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=1000, n_positions=64)
+        model = GPT2LMHeadModel(config).eval()
+        x = torch.randint(0, 1000, (4, 64))
+        lens = wrap(model)
+        blocks = list(model.transformer.h)
+
+        def plain():
+            kept = {}
+            handles = []
+            for i, block in enumerate(blocks):
+
+                def hook(module, args, output, i=i):
+                    hidden = output[0] if isinstance(output, tuple) else output
+                    hidden.register_hook(lambda grad: kept.__setitem__(i, grad))
+
+                handles.append(block.register_forward_hook(hook))
+            try:
+                out = model(x)
+            finally:
+                for handle in handles:
+                    handle.remove()
+            out.logits.sum().backward()
+            model.zero_grad(set_to_none=True)
+            return [kept[i] for i in range(len(blocks))]
+
+        def traced():
+            kept = {}
+            with lens.trace(x):
+                hidden = [lens.transformer.h[i].output for i in range(4)]
+                loss = lens.output.logits.sum()
+                with loss.backward():
+                    kept["grads"] = [h.grad.save() for h in reversed(hidden)]
+            model.zero_grad(set_to_none=True)
+            return list(reversed(kept["grads"]))
+
+        self.same = all(torch.equal(a, b) for a, b in zip(plain(), traced()))
+        for _ in range(3):
+            plain()
+            traced()
+        self.gpt2_plain, self.gpt2_traced = plain, traced
+
+    def gpt2(self, traced_first: bool) -> dict[str, float]:
+        """One round: two plain and two traced GPT-2 steps in ABBA order, the faster of each
+        (milliseconds, wall and CPU): the order cancels drift, the minimum a stray stall."""
+        timing: dict[str, float] = {}
+        first, second = ("traced", self.gpt2_traced), ("plain", self.gpt2_plain)
+        if not traced_first:
+            first, second = second, first
+        for name, fn in (first, second, second, first):
+            wall, cpu = time.perf_counter(), time.process_time()
+            fn()
+            wall, cpu = (time.perf_counter() - wall) * 1e3, (time.process_time() - cpu) * 1e3
+            timing[name] = min(timing.get(name, wall), wall)
+            timing[name + " cpu"] = min(timing.get(name + " cpu", cpu), cpu)
+        timing["same"] = float(self.same)
+        return timing
 
 
-def fixed_costs(wrapped, model, x, repeats: int) -> dict[str, float]:
-    """Median trace time minus median plain time, per body, in microseconds.
+def _ours_wrap(model):
+    import backlens.live as bl
 
-    ``wrapped`` is a backlens lens or an nnsight model: both spell these
-    bodies the same way.
-    """
-
-    def forward():
-        with wrapped.trace(x):
-            out = wrapped.output.save()  # noqa: F841
-
-    def forward_backward():
-        with wrapped.trace(x):
-            h = wrapped[0].output
-            loss = wrapped.output.sum()
-            with loss.backward():
-                g = h.grad.save()  # noqa: F841
-
-    def forward_edit():
-        with wrapped.trace(x):
-            wrapped[0].output = wrapped[0].output * 2
-            out = wrapped.output.save()  # noqa: F841
-
-    traced = {"forward": forward, "forward+backward": forward_backward, "forward edit": forward_edit}
-    plain = _plain_bodies(model, x)
-    result = {}
-    for name in traced:
-        for _ in range(100):  # warm caches, pools and allocators
-            traced[name]()
-            plain[name]()
-        trace_us = _median_us(traced[name], repeats)
-        plain_us = _median_us(plain[name], repeats)
-        result[name] = trace_us - plain_us
-        result[name + " plain"] = plain_us
-    return result
+    return bl.wrap(model)
 
 
-# -- the two roles ------------------------------------------------------------
-
-
-def peer_role(repeats: int) -> None:
-    """Run inside the peer's venv: print nnsight's fixed costs as JSON."""
-    import torch
+def _peer_wrap(model):
     from nnsight import NNsight
 
-    torch.set_num_threads(1)
-    model, x = _tiny()
-    print(json.dumps(fixed_costs(NNsight(model), model, x, repeats)))
+    return NNsight(model)
 
 
-def ours_fixed(repeats: int) -> dict[str, float]:
-    import torch
+def worker_role(gpt2: bool) -> None:
+    """Run inside the peer's venv: answer one JSON request per line (a round) on stdout."""
+    work = Workload(_peer_wrap, gpt2)
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        if request["what"] == "gpt2":
+            answer = work.gpt2(request["traced_first"])
+        else:
+            answer = work.fixed(request["body"], request["repeats"], request["clock"])
+        print(json.dumps(answer), flush=True)
 
-    import backlens.live as bl
 
-    torch.set_num_threads(1)
-    model, x = _tiny()
-    return fixed_costs(bl.wrap(model), model, x, repeats)
+class PeerSide:
+    """The peer's worker subprocess, asked for one round at a time."""
+
+    def __init__(self, python: Path, gpt2: bool):
+        args = [str(python), __file__, "--role", "peer-worker"] + ([] if gpt2 else ["--skip-gpt2"])
+        self.process = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._read()
+
+    def _read(self) -> dict[str, float]:
+        line = self.process.stdout.readline()  # type: ignore[union-attr]
+        if not line:
+            raise RuntimeError("the peer's worker stopped")
+        return json.loads(line)
+
+    def ask(self, **request) -> dict[str, float]:
+        self.process.stdin.write(json.dumps(request) + "\n")  # type: ignore[union-attr]
+        self.process.stdin.flush()  # type: ignore[union-attr]
+        return self._read()
+
+    def close(self) -> None:
+        self.process.stdin.close()  # type: ignore[union-attr]
+        self.process.wait(timeout=60)
 
 
-def gpt2_overhead(rounds: int) -> dict[str, float]:
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
+class OurSide:
+    def __init__(self, gpt2: bool):
+        self.work = Workload(_ours_wrap, gpt2)
 
-    import backlens.live as bl
-
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    config = GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=1000, n_positions=64)
-    model = GPT2LMHeadModel(config).eval()
-    x = torch.randint(0, 1000, (4, 64))
-    lens = bl.wrap(model)
-    layer = model.transformer.h[2]
-
-    def plain():
-        kept = {}
-
-        def hook(module, args, output):
-            output.register_hook(lambda grad: kept.__setitem__("grad", grad))
-
-        handle = layer.register_forward_hook(hook)
-        try:
-            out = model(x)
-        finally:
-            handle.remove()
-        out.logits.sum().backward()
-        model.zero_grad(set_to_none=True)
-        return kept["grad"]
-
-    def traced():
-        with lens.trace(x):
-            h = lens.transformer.h[2].output
-            loss = lens.output.logits.sum()
-            with loss.backward():
-                g = h.grad.save()
-        model.zero_grad(set_to_none=True)
-        return g
-
-    assert torch.equal(plain(), traced())  # same arithmetic, same gradient
-    for _ in range(3):
-        plain()
-        traced()
-    ratios, plain_ms, traced_ms = [], [], []
-    for r in range(rounds):
-        order = (plain, traced) if r % 2 == 0 else (traced, plain)
-        timing = {}
-        for fn in order:
-            start = time.perf_counter()
-            fn()
-            timing[fn] = time.perf_counter() - start
-        ratios.append(timing[traced] / timing[plain])
-        plain_ms.append(timing[plain] * 1e3)
-        traced_ms.append(timing[traced] * 1e3)
-    return {
-        "median ratio": statistics.median(ratios),
-        "plain ms": statistics.median(plain_ms),
-        "traced ms": statistics.median(traced_ms),
-    }
+    def ask(self, **request) -> dict[str, float]:
+        if request["what"] == "gpt2":
+            return self.work.gpt2(request["traced_first"])
+        return self.work.fixed(request["body"], request["repeats"], request["clock"])
 
 
 # -- the peer's environment ---------------------------------------------------
-
-
 def ensure_peer() -> Path | None:
     python = PEER_VENV / "bin" / "python"
-    check = [str(python), "-c", "import nnsight, torch"]
+    check = [str(python), "-c", "import nnsight, torch, transformers"]
     if python.exists() and subprocess.run(check, capture_output=True).returncode == 0:
         return python
     print(f"creating {PEER_VENV} for nnsight (once) ...", flush=True)
@@ -218,58 +266,82 @@ def ensure_peer() -> Path | None:
     return python
 
 
-def peer_fixed(python: Path, repeats: int) -> dict[str, float] | None:
-    done = subprocess.run(
-        [str(python), __file__, "--role", "peer", "--repeats", str(repeats)],
-        capture_output=True,
-        text=True,
-    )
-    if done.returncode != 0:
-        print("  peer run failed:\n" + done.stderr[-2000:])
-        return None
-    return json.loads(done.stdout.strip().splitlines()[-1])
+def _span(values: list[float], unit: str, digits: int) -> str:
+    low, mid, high = min(values), statistics.median(values), max(values)
+    return f"{mid:.{digits}f}{unit} [{low:.{digits}f}-{high:.{digits}f}]"
+
+
+def _turns(sides: dict, r: int):
+    """The sides in this round's order (who goes first alternates)."""
+    names = list(sides)
+    return [(name, sides[name]) for name in (names if r % 2 == 0 else names[::-1])]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--role", choices=["main", "peer"], default="main")
-    parser.add_argument("--rounds", type=int, default=30, help="interleaved GPT-2 rounds")
-    parser.add_argument("--repeats", type=int, default=2000, help="timed traces per tiny-model figure")
-    parser.add_argument("--alternations", type=int, default=3, help="ours/peer alternations")
+    parser.add_argument("--role", choices=["main", "peer-worker"], default="main")
+    parser.add_argument("--rounds", type=int, default=60, help="GPT-2 rounds per side")
+    parser.add_argument("--repeats", type=int, default=300, help="timed traces per tiny-model round")
+    parser.add_argument("--alternations", type=int, default=8, help="tiny-model rounds per side and body")
+    parser.add_argument("--clock", choices=list(CLOCKS), default="cpu", help="clock of the tiny-model figures")
     parser.add_argument("--skip-peer", action="store_true")
     parser.add_argument("--skip-gpt2", action="store_true")
     args = parser.parse_args()
 
-    if args.role == "peer":
-        peer_role(args.repeats)
+    if args.role == "peer-worker":
+        worker_role(not args.skip_gpt2)
         return
 
-    if not args.skip_gpt2:
-        print("GPT-2 (4 layers, n_embd 256, batch 4 x seq 64, 1 thread): trace + .output + .grad.save()")
-        g = gpt2_overhead(args.rounds)
-        print(f"  plain fwd+bwd with a tensor hook: {g['plain ms']:.2f} ms")
-        print(f"  traced:                           {g['traced ms']:.2f} ms")
-        print(f"  median ratio over {args.rounds} interleaved rounds: {g['median ratio']:.3f}x (target <= 1.05x)")
-
+    gpt2 = not args.skip_gpt2
+    sides: dict = {"backlens": OurSide(gpt2)}
     python = None if args.skip_peer else ensure_peer()
-    print("Fixed cost per trace, tiny model (trace minus plain, microseconds, median):")
-    ours_runs, peer_runs = [], []
-    for _ in range(args.alternations):
-        ours_runs.append(ours_fixed(args.repeats))
-        if python is not None:
-            peer = peer_fixed(python, args.repeats)
-            if peer is not None:
-                peer_runs.append(peer)
-    for body in ("forward", "forward+backward", "forward edit"):
-        ours = statistics.median(run[body] for run in ours_runs)
-        line = f"  {body:17s} backlens {ours:7.1f} us"
-        if peer_runs:
-            theirs = statistics.median(run[body] for run in peer_runs)
-            verdict = "ours no higher" if ours <= theirs else "ours higher"
-            line += f"   nnsight {theirs:7.1f} us   ({verdict})"
-        print(line)
-    print("  per-run figures: backlens", [round(run["forward+backward"], 1) for run in ours_runs],
-          "nnsight", [round(run["forward+backward"], 1) for run in peer_runs])
+    if python is not None:
+        sides["nnsight"] = PeerSide(python, gpt2)
+    try:
+        if gpt2:
+            print("GPT-2 (4 layers, n_embd 256, batch 4 x seq 64, 1 thread): all four blocks' output gradients")
+            ratios: dict[str, dict[str, list[float]]] = {name: {"wall": [], "cpu": []} for name in sides}
+            plain_ms: dict[str, list[float]] = {name: [] for name in sides}
+            same = {name: True for name in sides}
+            for r in range(args.rounds):
+                for name, side in _turns(sides, r):
+                    got = side.ask(what="gpt2", traced_first=bool(r % 4 < 2))
+                    ratios[name]["wall"].append(got["traced"] / got["plain"])
+                    ratios[name]["cpu"].append(got["traced cpu"] / got["plain cpu"])
+                    plain_ms[name].append(got["plain cpu"])
+                    same[name] = same[name] and bool(got["same"])
+            for name in sides:
+                print(
+                    f"  {name:9s} traced/plain: CPU time {_span(ratios[name]['cpu'], 'x', 3)}"
+                    f"   wall time {_span(ratios[name]['wall'], 'x', 3)}"
+                    f"   (median [range] of {args.rounds} rounds; plain step {statistics.median(plain_ms[name]):.1f} ms CPU)"
+                    f"   gradients {'equal to' if same[name] else 'NOT EQUAL to'} plain autograd"
+                )
+            if len(sides) > 1:
+                for clock in ("cpu", "wall"):
+                    ours, theirs = (statistics.median(ratios[name][clock]) for name in ("backlens", "nnsight"))
+                    verdict = "met" if ours <= 1.03 and ours <= theirs else "NOT met"
+                    print(f"  target <= 1.03x and <= the peer's ({clock}): backlens {ours:.3f}x, nnsight {theirs:.3f}x ({verdict})")
+
+        print(
+            f"Fixed cost per trace, tiny model (trace minus plain, {args.clock} time, microseconds; "
+            f"median [range] of {args.alternations} rounds):"
+        )
+        for body in BODIES:
+            costs: dict[str, list[float]] = {name: [] for name in sides}
+            for r in range(args.alternations):
+                for name, side in _turns(sides, r):
+                    got = side.ask(what="fixed", body=body, repeats=args.repeats, clock=args.clock)
+                    costs[name].append(got["traced"] - got["plain"])
+            line = f"  {body:17s}" + "".join(f"   {name} {_span(costs[name], ' us', 1)}" for name in sides)
+            if len(sides) > 1:
+                ours, theirs = (statistics.median(costs[name]) for name in ("backlens", "nnsight"))
+                line += "   (ours no higher)" if ours <= theirs else "   (ours higher)"
+            print(line)
+    finally:
+        peer = sides.get("nnsight")
+        if peer is not None:
+            peer.close()
 
 
 if __name__ == "__main__":

@@ -73,6 +73,7 @@ class Interrupter:
     def __init__(self, at: int | None):
         self.at = at
         self.count = 0
+        self.forward_lines = 0
 
     def __call__(self, frame, event, arg):
         if frame.f_code.co_filename.startswith(WATCHED):
@@ -91,8 +92,14 @@ def grads(model) -> list[torch.Tensor]:
     return [p.grad.clone() if p.grad is not None else None for p in model.parameters()]
 
 
+# The tracer of the run under way (so the counting run can note where the forward ends).
+ACTIVE: list = []
+
+
 def run_scenario(model, x, held: dict) -> None:
     cap = held["cap"] = bl.capture(model, x, save_grads=True, save_activations=bl.func("relu"))
+    if ACTIVE:
+        ACTIVE[-1].forward_lines = ACTIVE[-1].count
     loss = held["loss"] = loss_of(cap.output)
     loss.backward(retain_graph=True)
     cap.backward(loss * 2, save_grads=bl.func("linear"), retain_graph=True)
@@ -174,12 +181,14 @@ class traced:
         return self
 
     def __enter__(self):
+        ACTIVE.append(self.tracer)
         sys.settrace(self.tracer)
 
     def __exit__(self, *exc):
         sys.settrace(None)
+        ACTIVE.remove(self.tracer)
         if self.counter is not None:
-            self.counter.append(self.tracer.count)
+            self.counter.extend([self.tracer.forward_lines, self.tracer.count])
 
 
 class patched:
@@ -251,10 +260,13 @@ class flag:
 
 def main(count: int) -> None:
     lines: list[int] = []
+    check("warm", traced(None))  # first-use work (imports, caches) is not counted
     check("count", traced(None, lines))
-    total = lines[0]
-    step = max(1, total // count)
-    points = sorted(set(range(1, total + 1, step)) | {total - 1, total})
+    forward, total = lines
+    # Half the points in the captured forward, half in the two backwards (many more lines).
+    half = max(1, count // 2)
+    points = sorted(set(range(1, forward + 1, max(1, forward // half)))
+                    | set(range(forward + 1, total + 1, max(1, (total - forward) // half))) | {total - 1, total})
     for at in points:
         print(json.dumps(check(f"line {at} of {total}", traced(at))), flush=True)
     named = {

@@ -153,7 +153,7 @@ def test_three_passes_give_dense_call_labels_and_a_loud_op_grad():
     node = cap.ops["linear_2"].grad_fn
     assert [c.label for c in node.calls] == [f"{node.label}:{k}" for k in (1, 2, 3)]
     assert [c.pass_number for c in node.calls] == [1, 2, 3]
-    assert node.calls.for_pass(2)[0].index == 2
+    assert node.calls.for_pass(2).index == 2
     assert cap.last_pass is cap.passes.for_pass(3)
     module = cap.modules["net.2"]
     assert torch.equal(module.output_grad_for(pass_=2), module.output_grads[1].tensor)

@@ -61,9 +61,10 @@ def test_module_calls_nest_and_repeat_with_a_call_suffix():
             return self.block(torch.tanh(self.block(x)))
 
     cap = bl.capture(Twice(), torch.randn(1, 4))
-    assert [m.address for m in cap.modules] == ["", "block", "block:2"]
-    assert cap.modules["block:2"].call_number == 2
-    assert cap.modules[""].children == ["block", "block:2"]
+    assert [m.address for m in cap.modules] == ["", "block", "block"]
+    assert [m.label for m in cap.modules] == ["", "block:1", "block:2"]
+    assert cap.modules["block:2"].call == 2
+    assert cap.modules[""].children == ["block:1", "block:2"]
     assert cap.modules["block:2"].ops == ["linear_2"]
     assert cap.ops["tanh_1"].module == ""
 

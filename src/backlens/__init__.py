@@ -10,9 +10,11 @@ from backlens._version import __version__
 from backlens.capturing import Capture, capture, load
 from backlens.derive.dispatch import derive
 from backlens.derive.record import DerivedGrads
-from backlens.edits import add_noise, clamp, clip_norm, grad, scale, when, zero_ablate
+from backlens.distributed.rankset import RankSet
+from backlens.edits import add_noise, clamp, clip_norm, grad, keep_grad, scale, when, zero_ablate
 from backlens.errors import (
     AmbiguousGradError,
+    AmbiguousLabelError,
     BacklensError,
     BacklensWarning,
     BackwardUnavailableError,
@@ -26,6 +28,7 @@ from backlens.errors import (
     NonFiniteGradError,
     OnceOnlyNodeError,
     OutOfOrderError,
+    ReplayError,
     SavedTensorModifiedError,
     TraceError,
     UnsupportedFrameworkError,
@@ -54,6 +57,7 @@ from backlens.validate import ValidationResult, validate
 __all__ = [
     # errors and warnings
     "AmbiguousGradError",
+    "AmbiguousLabelError",
     "BacklensError",
     "BacklensWarning",
     "BackwardUnavailableError",
@@ -67,6 +71,7 @@ __all__ = [
     "NonFiniteGradError",
     "OnceOnlyNodeError",
     "OutOfOrderError",
+    "ReplayError",
     "SavedTensorModifiedError",
     "TraceError",
     "UnsupportedFrameworkError",
@@ -97,10 +102,12 @@ __all__ = [
     "clamp",
     "clip_norm",
     "grad",
+    "keep_grad",
     "scale",
     "when",
     "zero_ablate",
     # storage and bundles
+    "RankSet",
     "load",
     "to_disk",
     # live tracing

@@ -258,33 +258,187 @@ def only_decomposes(op: Any) -> bool:
 
 # live tracing
 
-
-def _find_tensor_grad_descriptor() -> Any:
-    """torch's own ``Tensor.grad`` descriptor (defined on the C base class)."""
-    for klass in torch.Tensor.__mro__[1:]:
-        found = klass.__dict__.get("grad")
-        if found is not None and hasattr(found, "__get__") and hasattr(found, "__set__"):
-            return found
-    return None
-
-
-_tensor_grad_descriptor = _find_tensor_grad_descriptor()
-HAS_TENSOR_GRAD_DESCRIPTOR = _tensor_grad_descriptor is not None
+# Switching torch's thread-local modes between a live body and the model at
+# each hand-over (they share one thread). The raw setters skip building a
+# context-manager object per switch; the public ones do the same, slower.
+_raw_set_grad_enabled = getattr(torch._C, "_set_grad_enabled", None)
+_raw_inference_guard = getattr(torch._C, "_InferenceMode", None)
+_raw_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
+HAS_RAW_MODE_SWITCHES = _raw_set_grad_enabled is not None and _raw_inference_guard is not None
 
 CAPABILITIES = (
     *CAPABILITIES,
     Capability(
-        "HAS_TENSOR_GRAD_DESCRIPTOR",
-        HAS_TENSOR_GRAD_DESCRIPTOR,
-        "serving h.grad inside `with loss.backward():` blocks of live tracing",
-        "reading or setting .grad inside a backward block raises TraceError",
+        "HAS_RAW_MODE_SWITCHES",
+        HAS_RAW_MODE_SWITCHES,
+        "keeping a live body's grad/inference/autocast modes apart from the model's at each hand-over, cheaply",
+        "the same through torch's public context managers, a few microseconds slower per hand-over",
     ),
 )
 
 
-def tensor_grad_descriptor() -> Any:
-    """The descriptor behind ``Tensor.grad`` (None if torch moved it)."""
-    return _tensor_grad_descriptor
+def set_grad_enabled_function() -> Callable[[bool], Any]:
+    """Set the calling thread's grad mode at once (no context-manager object)."""
+    if _raw_set_grad_enabled is not None:
+        return _raw_set_grad_enabled
+    return lambda mode: torch.set_grad_enabled(mode)
+
+
+def inference_mode_guard(enabled: bool) -> Any:
+    """An object whose ``__enter__``/``__exit__`` switch inference mode (and restore it wholesale)."""
+    if _raw_inference_guard is not None:
+        return _raw_inference_guard(enabled)
+    return torch.inference_mode(enabled)
+
+
+def any_autocast_enabled_function() -> Callable[[], bool] | None:
+    """A cheap 'is autocast on for any device' check, or None (then check each device)."""
+    return _raw_any_autocast
+
+
+# distributed
+# FSDP2 keeps, per unit (a module given to ``fully_shard``), private param
+# groups holding the unit's communication objects (the all-gather and the
+# reduce-scatter that ``FSDPModule.set_custom_all_gather`` replaces) and the
+# unsharded parameters its forward computes with. Capture swaps recording
+# wrappers in for one backward run and puts the originals back. The FSDP
+# package costs half a second to import, so it is looked at only when the
+# user's program imported it.
+
+
+def fsdp_param_groups(module: Any) -> list[Any]:
+    """The param groups of an FSDP2 unit that carry communication objects (none when
+    ``module`` is not a unit or torch keeps them elsewhere)."""
+    get_state = getattr(module, "_get_fsdp_state", None)
+    if get_state is None:
+        return []
+    try:
+        state = get_state()
+    except (AssertionError, AttributeError, RuntimeError):
+        return []
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        one = getattr(state, "_fsdp_param_group", None)
+        groups = [one] if one is not None else []
+    return [g for g in groups if g is not None and hasattr(g, "_all_gather_comm")
+            and hasattr(g, "_reduce_scatter_comm")]
+
+
+def fsdp_comms(group: Any) -> tuple[Any, Any]:
+    """A param group's (all-gather, reduce-scatter) communication objects."""
+    return group._all_gather_comm, group._reduce_scatter_comm
+
+
+def set_fsdp_comms(group: Any, all_gather: Any, reduce_scatter: Any) -> None:
+    group._all_gather_comm = all_gather
+    group._reduce_scatter_comm = reduce_scatter
+
+
+def fsdp_unsharded_params(group: Any) -> list[tuple[Any, Any]]:
+    """``(sharded parameter, unsharded parameter)`` of each parameter of a param group:
+    the forward computes with (and AccumulateGrad accumulates into) the unsharded one."""
+    pairs = []
+    for fsdp_param in getattr(group, "fsdp_params", ()):
+        sharded = getattr(fsdp_param, "sharded_param", None)
+        unsharded = getattr(fsdp_param, "_unsharded_param", None)
+        if sharded is not None and unsharded is not None:
+            pairs.append((sharded, unsharded))
+    return pairs
+
+
+class _FsdpCapability:
+    """Like :class:`Capability`, with ``present`` read when first asked (importing FSDP)."""
+
+    name = "HAS_FSDP_COMM_OBJECTS"
+    used_for = "recording FSDP2's all-gathers and reduce-scatters in a backward (pass_.collectives)"
+    without_it = "FSDP2 collectives are not recorded (pass_.collectives stays empty under FSDP2)"
+
+    @property
+    def present(self) -> bool:
+        try:
+            from torch.distributed.fsdp import FSDPModule
+            from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+        except ImportError:
+            return False
+        source = getattr(_fsdp_param_group.FSDPParamGroup, "__init__", None)
+        names = getattr(getattr(source, "__code__", None), "co_names", ())
+        return (hasattr(FSDPModule, "_get_fsdp_state") and "_all_gather_comm" in names
+                and "_reduce_scatter_comm" in names)
+
+
+CAPABILITIES = (*CAPABILITIES, _FsdpCapability())
+
+
+# checkpoint witness
+# Each torch.utils.checkpoint invocation in a captured forward is witnessed by
+# swapping, for the forward only, the module global that names the
+# non-reentrant checkpoint's saved-tensor hooks class (looked up at each call)
+# for a subclass, and by wrapping the reentrant checkpoint Function's forward.
+
+import torch.utils.checkpoint as _checkpoint_module  # noqa: E402 - grouped with what uses it
+
+_checkpoint_hook_class = getattr(_checkpoint_module, "_checkpoint_hook", None)
+_checkpoint_function = getattr(_checkpoint_module, "CheckpointFunction", None)
+
+HAS_CHECKPOINT_HOOK_CLASS = isinstance(_checkpoint_hook_class, type) and issubclass(
+    _checkpoint_hook_class, torch.autograd.graph.saved_tensors_hooks)
+HAS_REENTRANT_CHECKPOINT_FUNCTION = isinstance(_checkpoint_function, type) and isinstance(
+    _checkpoint_function.__dict__.get("forward"), staticmethod)
+
+CAPABILITIES = (
+    *CAPABILITIES,
+    Capability(
+        "HAS_CHECKPOINT_HOOK_CLASS",
+        HAS_CHECKPOINT_HOOK_CLASS,
+        "witnessing non-reentrant torch.utils.checkpoint invocations (cap.checkpoints)",
+        "cap.checkpoint_verdict is 'unknown': non-reentrant checkpoints cannot be seen",
+    ),
+    Capability(
+        "HAS_REENTRANT_CHECKPOINT_FUNCTION",
+        HAS_REENTRANT_CHECKPOINT_FUNCTION,
+        "witnessing reentrant torch.utils.checkpoint invocations (cap.checkpoints)",
+        "cap.checkpoint_verdict is 'unknown': reentrant checkpoints cannot be seen",
+    ),
+)
+
+
+def checkpoint_hook_class() -> type | None:
+    """The non-reentrant checkpoint saved-tensor hooks class checkpoints use now (None when missing)."""
+    if not HAS_CHECKPOINT_HOOK_CLASS:
+        return None
+    current = getattr(_checkpoint_module, "_checkpoint_hook", None)
+    return current if isinstance(current, type) and issubclass(current, _checkpoint_hook_class) else None
+
+
+def set_checkpoint_hook_class(cls: type) -> None:
+    """Make non-reentrant checkpoints started from now on use ``cls`` (a subclass, or the original)."""
+    _checkpoint_module._checkpoint_hook = cls
+
+
+def reentrant_checkpoint_forward() -> Any:
+    """The reentrant checkpoint Function's forward as it is now (None when missing)."""
+    if not HAS_REENTRANT_CHECKPOINT_FUNCTION:
+        return None
+    current = _checkpoint_function.__dict__.get("forward")
+    return current.__func__ if isinstance(current, staticmethod) else None
+
+
+def set_reentrant_checkpoint_forward(fn: Any) -> None:
+    _checkpoint_function.forward = staticmethod(fn)
+
+
+# compiled models
+
+
+def compiled_original(module: Any) -> torch.nn.Module | None:
+    """The module a ``torch.compile`` wrapper (dynamo's ``OptimizedModule``) compiles, else None.
+
+    Read by duck typing, so that ``import backlens`` never imports ``torch._dynamo``.
+    """
+    original = getattr(module, "_orig_mod", None)
+    if isinstance(original, torch.nn.Module) and type(module).__module__.startswith("torch._dynamo"):
+        return original
+    return None
 
 
 # torch's mode stacks ---------------------------------------------------------

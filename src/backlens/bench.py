@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from backlens import _args
+from backlens._pandas import data_frame
 from backlens._progress import progress
 from backlens.capturing import capture
 from backlens.cost.once_only import OnceOnlyNode, changed_since, describe, snapshot
@@ -93,8 +94,6 @@ class BackwardBench:
     def to_pandas(self):
         """One row per measured quantity: ``kind`` is pass, forward, node_type, node,
         module_self or module_subtree."""
-        import pandas as pd
-
         rows = [{"kind": "pass", "name": self.method, **self.passes.row()}]
         if self.instrumented_passes is not None:
             rows.append({"kind": "instrumented_pass", "name": self.method, **self.instrumented_passes.row()})
@@ -105,7 +104,7 @@ class BackwardBench:
         for address, timing in self.by_module.items():
             rows.append({"kind": "module_self", "name": address, **timing.self.row()})
             rows.append({"kind": "module_subtree", "name": address, **timing.subtree.row()})
-        return pd.DataFrame(rows, columns=self._columns)
+        return data_frame(rows, self._columns)
 
     def __rich__(self):
         from rich.console import Group
@@ -277,10 +276,10 @@ def _per_node(passes: list[tuple[Any, int]]):
     for cap, number in passes:
         parents = {}
         for call in cap.modules:
-            parents[call.address] = call.parent
-            if call.address not in layout:
+            parents[call.label] = call.parent
+            if call.label not in layout:
                 depth = layout[call.parent][1] + 1 if call.parent in layout else 0
-                layout[call.address] = (call.module_type, depth)
+                layout[call.label] = (call.module_type, depth)
         per_type: dict[str, float] = {}
         per_node: dict[str, float] = {}
         per_self: dict[str, float] = dict.fromkeys(parents, 0.0)
@@ -290,7 +289,7 @@ def _per_node(passes: list[tuple[Any, int]]):
             grad_fn = call.grad_fn
             per_type[grad_fn.type] = per_type.get(grad_fn.type, 0.0) + duration
             per_node[grad_fn.label] = per_node.get(grad_fn.label, 0.0) + duration
-            module = grad_fn.module if grad_fn.module in parents else NO_MODULE
+            module = grad_fn.module_call if grad_fn.module_call in parents else NO_MODULE
             per_self[module] = per_self.get(module, 0.0) + duration
             while module is not None:
                 per_subtree[module] = per_subtree.get(module, 0.0) + duration

@@ -17,22 +17,34 @@ from typing import Any
 import torch
 
 from backlens import _args, _torch
+from backlens._distributed import rank_and_world_size
 from backlens._fence import complete
 from backlens._nested import iter_named_tensors, iter_tensors
 from backlens.capture.backward import BackwardRecorder
+from backlens.capture.collectives import CollectiveRecorder
+from backlens.capture.compiled import NOT_COUNTED, is_opaque, original_module, run_opaque
+from backlens.capture.compiled import check_mode as check_compiled_mode
 from backlens.capture.forward import ActivationPolicy, ForwardRecorder
 from backlens.capture.interventions import ArmedEdits
 from backlens.capture.policy import GradPolicy
+from backlens.capture.replay_record import ReplayRecording
 from backlens.capture.state import CaptureState, InputEntry, ParamEntry
 from backlens.capture.unmatched import UnmatchedSelectorWarner, warn_if_no_activation_kept
+from backlens.cost.checkpoint_witness import COMPILED_OPAQUE, CheckpointWitness
 from backlens.cost.forward_count import FlopForwardRecorder
 from backlens.cost.journal import CostJournal
 from backlens.cost.observer import FlopObserver, census_left_behind
 from backlens.derive.bundle import is_derived
 from backlens.derive.bundle import load as load_derived
 from backlens.derive.frameworks import refuse_other_framework
+from backlens.distributed.rankset import RankSet, rank_bundle_dirs
 from backlens.edits import as_interventions, when
-from backlens.errors import BackwardUnavailableError, CaptureClosedError, UnsupportedInputError
+from backlens.errors import (
+    BackwardUnavailableError,
+    CaptureClosedError,
+    NoGradientPathError,
+    UnsupportedInputError,
+)
 from backlens.graph import engine
 from backlens.io.bundle import BundleInfo, read_bundle, save_state
 from backlens.io.disk_store import make_store
@@ -42,7 +54,7 @@ from backlens.report.failures import PassFailures
 
 # The options of bl.capture: a keyword close to one of these is a typo, not the model's.
 CAPTURE_OPTIONS = ("save_grads", "save_activations", "storage", "flops", "timing", "intervene", "backward",
-                   "detect_nonfinite")
+                   "detect_nonfinite", "compiled")
 # What cap.backward passes on to torch.autograd.backward.
 BACKWARD_OPTIONS = ("grad_tensors", "retain_graph", "create_graph", "inputs")
 
@@ -58,13 +70,15 @@ def capture(
     intervene: Any = (),
     backward: bool = True,
     detect_nonfinite: bool = False,
+    compiled: str = "eager",
     **kwargs: Any,
 ) -> Capture:
     """Run ``model(*args, **kwargs)`` once, record it, and arm backward capture.
 
     The user's graph is not changed: no clone or identity nodes are inserted,
     inputs are not copied, and gradients reach leaves and parameters exactly as
-    without backlens. See API.md §1 for every option.
+    without backlens. See API.md §1 for every option; ``compiled`` says how a
+    ``torch.compile`` model is captured (docs/capture.md).
     """
     if not isinstance(model, torch.nn.Module):
         refuse_other_framework(model, args, kwargs, "bl.capture")
@@ -75,13 +89,17 @@ def capture(
         )
     _torch.drop_dispatch_modes(census_left_behind)  # what an interrupted earlier pass may have left
     # Every option is checked before anything runs or is created (a to_disk directory).
-    _args.no_mistyped_options(kwargs, CAPTURE_OPTIONS, model.forward, "bl.capture")
+    check_compiled_mode(compiled)
+    forward = (_torch.compiled_original(model) or model).forward
+    _args.no_mistyped_options(kwargs, CAPTURE_OPTIONS, forward, "bl.capture")
     for name, value in (("flops", flops), ("timing", timing), ("backward", backward),
                         ("detect_nonfinite", detect_nonfinite)):
         _args.flag(value, name, "bl.capture")
     policy = GradPolicy(save_grads)
     activations = ActivationPolicy(save_activations)
     interventions = as_interventions(intervene)
+    compiled_model, opaque = model, is_opaque(model, compiled)
+    model = original_module(model, compiled)  # a compiled model's own modules and parameters
     # The forward, recorded into the state's journal.
     state = CaptureState(make_store(storage))
     armed = ArmedEdits(interventions, state.forward_edits)
@@ -93,6 +111,9 @@ def capture(
     )
     if armed.edits_module_outputs:
         recorder.module_output_hook = armed.module_hook
+    if recorder.activations.keeps_any:  # differentiable replay starts from kept activations
+        state.replay = ReplayRecording()
+        recorder.record_replay(state.replay)
     addresses, module_types, params, buffers = _walk_model(model)
     recorder.register_sources("param", params.items())
     recorder.register_sources("buffer", buffers.items())
@@ -101,20 +122,26 @@ def capture(
     grad_enabled = torch.is_grad_enabled()
     inference_mode = torch.is_inference_mode_enabled()
 
-    # Everything the forward installs in torch (the module-call wrapper, the function
-    # mode) is installed inside this try and removed in its finally, also on Ctrl-C.
-    try:
-        recorder.attach(addresses, module_types)
-        journal.seq_start = _torch.sequence_nr()
-        with _torch.function_mode(recorder):
-            output = model(*args, **kwargs)
-    finally:
-        complete(recorder.detach)
+    witness = CheckpointWitness(state)
+    journal.seq_start = _torch.sequence_nr()
+    if opaque:  # nothing of backlens in the forward: dynamo sees the model alone
+        witness.journal.add_reason(COMPILED_OPAQUE)
+        output = run_opaque(journal, compiled_model, args, kwargs)
+    else:
+        # Everything the forward installs in torch (the module-call wrapper, the function
+        # mode) is installed inside this try and removed in its finally, also on Ctrl-C.
+        try:
+            recorder.attach(addresses, module_types)
+            with witness, _torch.function_mode(recorder):
+                output = model(*args, **kwargs)
+        finally:
+            complete(recorder.detach)
     journal.seq_end = _torch.sequence_nr()
-    recorder.finish()
+    recorder.finish(output)
     warn_if_no_activation_kept(save_activations, journal)
     if armed.any:
         armed.check_sites(journal)
+        armed.label_applications(journal)
 
     # What the capture knows beside the journal.
     state.params = [ParamEntry(name, tuple(p.shape), p.dtype, p.requires_grad, weakref.ref(p))
@@ -126,6 +153,7 @@ def capture(
     state.inference_cause = _inference_cause((grad_enabled, inference_mode), params, inputs)
     state.backward_requested = backward
     state.flops_enabled = flops
+    state.rank, state.world_size = rank_and_world_size()
     state.cost = CostJournal(pending_forward=recorder.forward_cost() if flops else None)
 
     # The backward recorder: it discovers the graph when first asked, and records
@@ -133,40 +161,53 @@ def capture(
     if armed.gradient:
         armed.find_gradient_sites(state)
     live = backward and not state.inference_only
+    # Under torch.distributed: the collectives of DDP and FSDP2 parts, each pass's own.
+    collectives = (CollectiveRecorder.for_model(state, model, addresses, params)
+                   if live and state.rank is not None else None)
+    source_ids = {id(p): i for i, p in enumerate(params.values())}
+    if collectives is not None:
+        source_ids |= collectives.param_aliases({name: i for i, name in enumerate(params)})
     state.recorder = BackwardRecorder(
         state,
         [t.grad_fn for t in outputs if t.grad_fn is not None],
         policy,
         timing=timing,
         input_tensors=[t for _name, t in inputs],
-        source_ids={id(p): i for i, p in enumerate(params.values())}
-        | {id(t): source for (_name, t), source in zip(inputs, input_sources)},
+        source_ids=source_ids | {id(t): source for (_name, t), source in zip(inputs, input_sources)},
         failures=PassFailures(),
-        observers=(([FlopObserver()] if flops else []) + [UnmatchedSelectorWarner()]) if live else [],
+        observers=(([FlopObserver(NOT_COUNTED if opaque else None)] if flops else [])
+                   + [UnmatchedSelectorWarner(), witness]
+                   + ([collectives] if collectives is not None else [])) if live else [],
         edits=armed if armed.gradient else None,
         detect_nonfinite=detect_nonfinite,
     )
+    state.recorder.end_fires_at_drain = collectives is not None
     if live:
         state.recorder.arm()
     else:
         state.recorder.hooking = False  # no pass will open
     options = dict(save_grads=save_grads, save_activations=save_activations, flops=flops, timing=timing,
-                   backward=backward, detect_nonfinite=detect_nonfinite)
-    return Capture(state, output=output, model=model, rerun=(args, kwargs, options, intervene))
+                   backward=backward, detect_nonfinite=detect_nonfinite, compiled=compiled)
+    return Capture(state, output=output, model=compiled_model if opaque else model,
+                   rerun=(args, kwargs, options, intervene))
 
 
-def load(path: str | os.PathLike, *, verify: bool = True) -> LoadedCapture:
+def load(path: str | os.PathLike, *, verify: bool = True) -> LoadedCapture | RankSet:
     """Read the bundle at ``path`` as a read-only capture (API.md §6, docs/bundles.md).
 
-    ``verify=False`` skips hashing the shards up front (faster for very large
-    bundles); sizes and headers are still checked, and each tensor is checked
-    against its sha256 when first read.
+    A directory of rank bundles (``bl.to_disk("run/rank{rank}")`` on every rank
+    of a distributed run) reads as a :class:`RankSet` (API.md §10,
+    docs/distributed.md). ``verify=False`` skips hashing the shards up front
+    (faster for very large bundles); sizes and headers are still checked, and
+    each tensor is checked against its sha256 when first read.
     """
     _args.path(path, "path", "bl.load", "bl.load('runs/capture1')")
     _args.flag(verify, "verify", "bl.load")
     recover(Path(path))  # a replacement that died between its two renames: the old bundle goes back
     if is_derived(path):
         return load_derived(path, verify=verify)
+    if rank_bundle_dirs(path) is not None:
+        return RankSet.load(path, lambda directory: LoadedCapture(*read_bundle(directory, verify=verify)))
     state, info = read_bundle(path, verify=verify)
     return LoadedCapture(state, info)
 
@@ -290,6 +331,8 @@ class Capture(CaptureRecords):
         if loss is None:
             loss = self._default_loss()
         recorder = self._state.recorder
+        if recorder.armed and not engine.reaches(recorder, loss):
+            raise _foreign_loss()
         recorder.use_policy_for_next_pass(policy)
         engine.set_trigger_override("cap.backward")
         try:
@@ -336,23 +379,39 @@ class Capture(CaptureRecords):
             remedy="Pass the loss explicitly: cap.backward(loss).",
         )
 
-    def do(self, site: Any, edit: Any, inputs: Any = None, loss: Any = None) -> Capture:
+    def do(self, site: Any, edit: Any, inputs: Any = None, loss: Any = None, *,
+           differentiable: bool = False) -> Capture:
         """Rerun the forward with ``edit`` armed at ``site`` (and the backward when ``loss`` is given).
 
         Returns a new capture; this one is untouched. ``inputs`` replaces the
         original positional inputs (a tuple, or one tensor); ``loss`` is
-        ``lambda cap: tensor``.
+        ``lambda cap: tensor``. ``differentiable=True`` runs no model: it
+        replays the recorded ops downstream of ``site`` from the recorded
+        activations with ``edit`` applied, and returns a fork whose output
+        carries a fresh graph (docs/edits.md).
         """
         if self._rerun is None or self._model is None:
             raise CaptureClosedError("This capture cannot rerun its forward (closed or loaded from disk).")
         armed_here = when(site, edit)
+        _args.flag(differentiable, "differentiable", "cap.do")
         if loss is not None:
             _args.callable_(loss, "loss", "cap.do", "loss=lambda c: c.output.sum()")
         args, kwargs, options, intervene = self._rerun
-        if inputs is not None:
-            args = inputs if isinstance(inputs, tuple) else (inputs,)
-        armed = [*as_interventions(intervene), armed_here]
-        new = capture(self._model, *args, intervene=armed, **options, **kwargs)
+        if differentiable:
+            if inputs is not None:
+                raise UnsupportedInputError(
+                    "cap.do(..., differentiable=True) replays the recorded run; it takes no new inputs.",
+                    code="replay_takes_no_inputs",
+                    remedy="Drop inputs=, or rerun with them: cap.do(site, edit, inputs=...).",
+                )
+            from backlens.replaying import replay_fork  # the fork is a layer above the capture
+
+            new = replay_fork(self, site, edit, options, intervene)
+        else:
+            if inputs is not None:
+                args = inputs if isinstance(inputs, tuple) else (inputs,)
+            armed = [*as_interventions(intervene), armed_here]
+            new = capture(self._model, *args, intervene=armed, **options, **kwargs)
         if loss is not None:
             new.backward(loss(new))
         return new
@@ -402,6 +461,17 @@ class Capture(CaptureRecords):
         how = "closed" if state.closed else "inference-only" if state.inference_only else "armed"
         return (f"<Capture {how}: {len(state.journal.ops)} ops, {len(state.journal.module_calls)} module calls, "
                 f"{len(state.passes)} backward passes>")
+
+
+def _foreign_loss() -> NoGradientPathError:
+    return NoGradientPathError(
+        "cap.backward(loss): the loss does not depend on this capture's graph: its backward reaches "
+        "none of the nodes this capture's forward made (at most leaf inputs or parameters it shares "
+        "with them), so it would not be this capture's pass. Nothing ran.",
+        code="loss_not_from_capture",
+        remedy="Compute the loss from cap.output; to backpropagate another loss without recording it, "
+        "call loss.backward() directly.",
+    )
 
 
 class LoadedCapture(Capture):

@@ -299,6 +299,9 @@ def _show(args) -> None:
     if isinstance(cap, bl.DerivedGrads):
         _show_derived(console, args, cap)
         return
+    if isinstance(cap, bl.RankSet):
+        _show_ranks(console, args, cap)
+        return
     console.print(f"[bold]{args.bundle}[/bold]: {len(cap.ops)} forward ops, {len(cap.modules)} module calls, "
                   f"{len(cap.grad_fns)} autograd nodes, {len(cap.passes)} backward passes")
     profile = build_profile(cap, f"backlens show: {os.path.basename(os.path.normpath(args.bundle))}")
@@ -311,6 +314,41 @@ def _show(args) -> None:
     if args.html:
         html_report(profile).write(args.html)
         console.print(f"HTML report: {os.path.abspath(args.html)}")
+
+
+def _show_ranks(console, args, ranks) -> None:
+    """A directory of rank bundles: the cross-rank table, and whether replicated gradients agree."""
+    import json
+
+    import backlens as bl
+
+    if args.html:
+        raise UsageError(f"{args.bundle} holds {ranks.world_size} ranks' bundles: --html reports one capture; "
+                         f"run backlens show on one rank's bundle ({ranks[0].path}).")
+    passes = ", ".join(f"rank {cap.rank}: {len(cap.passes)}" for cap in ranks)
+    console.print(f"[bold]{args.bundle}[/bold]: {ranks.world_size} ranks (backward passes {passes})")
+    console.print(ranks.cost_tree())
+    check = ranks.check_grads()
+    if check:
+        console.print(f"Gradients: the {len(check.compared)} all-reduced parameters agree on every rank.")
+    elif check.compared:
+        shown = ", ".join(f"{name} (max |diff| {check.max_abs_diff[name]:.3g})" for name in check.mismatched[:10])
+        console.print(f"Gradients: {len(check.mismatched)} of {len(check.compared)} all-reduced parameters "
+                      f"differ across ranks: {shown}.")
+    else:
+        console.print(f"Gradients: not compared ({check.reason}).")
+    if args.timeline:
+        events = []
+        for cap in ranks:
+            # One process per rank in the trace viewer.
+            for event in bl.report.timeline(cap).to_trace()["traceEvents"]:
+                event = dict(event, pid=cap.rank + 1)
+                if event.get("name") == "process_name":
+                    event["args"] = {"name": f"rank {cap.rank}"}
+                events.append(event)
+        with open(args.timeline, "w", encoding="utf-8") as handle:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"producer": "backlens"}}, handle)
+        console.print(f"Timeline: {os.path.abspath(args.timeline)}")
 
 
 def _show_derived(console, args, derived) -> None:

@@ -1,9 +1,9 @@
 """Declarative edits: a site, an edit, and ``when`` to arm one on a capture.
 
 A site is an op label (``"relu_3"``: its activation), ``bl.grad("relu_3")``
-(the gradient of its output), a module address (its output;
-``bl.grad("encoder.layer.0")`` its output gradient), or a selector (every
-matching op). Sites combine with ``|``. An edit maps a tensor to a tensor of
+(the gradient of its output), a module address (the output of every call;
+``bl.grad("encoder.layer.0")`` its output gradient; ``"encoder.layer.0:2"``
+the second call only), or a selector (every matching op). Sites combine with ``|``. An edit maps a tensor to a tensor of
 the same shape and dtype: ``scale``, ``zero_ablate``, ``clamp``,
 ``add_noise``, ``clip_norm``, or any ``fn(value, *, ctx)``.
 """
@@ -28,6 +28,7 @@ __all__ = [
     "clamp",
     "clip_norm",
     "grad",
+    "keep_grad",
     "scale",
     "when",
     "zero_ablate",
@@ -159,6 +160,43 @@ def clip_norm(max_norm: float) -> Edit:
     return Edit(f"clip_norm({max_norm!r})", apply)
 
 
+class KeepGrad(Edit):
+    """An edit whose output keeps the gradient path of its input (see :func:`keep_grad`)."""
+
+    def __init__(self, edit: Edit):
+        super().__init__(f"keep_grad({edit!r})", self._apply)
+        self.edit = edit
+
+    def _apply(self, value: torch.Tensor, ctx: EditContext) -> torch.Tensor:
+        with torch.no_grad():
+            edited = self.edit(value, ctx)
+        if not isinstance(edited, torch.Tensor) or not value.requires_grad:
+            return edited
+        return _StraightThrough.apply(value, edited)
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Forward: the edited value, exactly. Backward: the gradient passes to the unedited input."""
+
+    @staticmethod
+    def forward(ctx, value: torch.Tensor, edited: torch.Tensor) -> torch.Tensor:
+        return edited.clone() if edited is value else edited
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def keep_grad(edit: Any) -> KeepGrad:
+    """``edit`` with its output keeping the gradient path: the forward sees the edited value, and the
+    gradient reaching it passes on to the unedited input as it arrives (straight through).
+
+    ``bl.keep_grad(bl.zero_ablate())`` ablates a value while the parameters upstream still train. Under
+    differentiable replay the path ends at the frontier leaves, and it warns ``keep_grad_replay_frontier``.
+    """
+    return KeepGrad(as_edit(edit))
+
+
 def as_edit(value: Any) -> Edit:
     if isinstance(value, Edit):
         return value
@@ -181,6 +219,10 @@ class Intervention:
     def __or__(self, other: Any) -> Interventions:
         return Interventions([self, *as_interventions(other)])
 
+    def bind(self, model: torch.nn.Module) -> BoundModel:
+        """A callable running ``model`` live with this edit armed (see :class:`BoundModel`)."""
+        return BoundModel(model, [self])
+
     def __repr__(self) -> str:
         return f"when({self.site!r}, {self.edit!r})"
 
@@ -194,6 +236,38 @@ class Interventions:
 
     def __iter__(self):
         return iter(self.items)
+
+    def bind(self, model: torch.nn.Module) -> BoundModel:
+        """A callable running ``model`` live with these edits armed (see :class:`BoundModel`)."""
+        return BoundModel(model, list(self.items))
+
+
+class BoundModel:
+    """``bl.when(site, edit).bind(model)``: call it as the model; the edits apply in the real graph.
+
+    Each call runs ``model(*args, **kwargs)`` with the edits armed and returns its output, still
+    attached to the graph, so parameters upstream of a site train through the edit. Gradient edits
+    stay armed on the graph of the latest call (until the next call).
+    """
+
+    def __init__(self, model: torch.nn.Module, interventions: list[Intervention]):
+        self.model = model
+        self.interventions = interventions
+        self._gradient = any(part.gradient for i in interventions for part in i.site.parts())
+        self._latest: Any = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from backlens.capturing import capture  # edits sit below the capture that arms them
+
+        self._latest = None
+        cap = capture(self.model, *args, intervene=self.interventions, backward=self._gradient,
+                      flops=False, timing=False, **kwargs)
+        if self._gradient:
+            self._latest = cap  # its hooks apply the gradient edits in the backward
+        return cap.output
+
+    def __repr__(self) -> str:
+        return f"<BoundModel {type(self.model).__name__} with {' | '.join(map(repr, self.interventions))}>"
 
 
 def when(site: Any, edit: Any) -> Intervention:

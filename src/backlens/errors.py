@@ -24,6 +24,7 @@ __all__ = [
     "OnceOnlyNodeError",
     "SavedTensorModifiedError",
     "OutOfOrderError",
+    "ReplayError",
     "TraceError",
     "UnsupportedFrameworkError",
     "UnsupportedInputError",
@@ -68,6 +69,17 @@ class AmbiguousGradError(BacklensError, RuntimeError):
 
     code = "ambiguous_grad"
     remedy = "Pick one with .grads[i] or .grad_for(pass_=k)."
+
+
+class AmbiguousLabelError(BacklensError, KeyError):
+    """A record lookup by a name that several records answer to (a module called
+    several times, looked up by its address)."""
+
+    code = "ambiguous_label"
+    remedy = "Name one of them with its :k suffix, as listed in the message."
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return BacklensError.__str__(self)
 
 
 class BackwardUnavailableError(BacklensError, RuntimeError):
@@ -200,6 +212,13 @@ class NonFiniteGradError(BacklensError, RuntimeError):
 
     code = "nonfinite_grad"
     remedy = "Guard the forward op the message names (clamp its input, add an epsilon, use a stable form)."
+
+
+class ReplayError(BacklensError, RuntimeError):
+    """Differentiable replay cannot rerun what the capture recorded; the message names the op."""
+
+    code = "replay_op_unsupported"
+    remedy = "Rerun the model instead: cap.do(site, edit) without differentiable=True."
 
 
 class BacklensWarning(UserWarning):

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from backlens.errors import UnsupportedInputError
-from backlens.graph.labels import op_name
+from backlens.graph.labels import op_name, owning_module, split_call
 
 __all__ = [
     "Selector",
@@ -227,49 +227,63 @@ def label(*names: str) -> Selector:
     return _Label(_names("label", names))
 
 
-def _split_address(address: str) -> tuple[str, int | None]:
-    found = _CALL_LABEL.match(address)
-    if found:
-        return found["node"], int(found["call"])
-    return address, None
-
-
 def _in_path(path: str, root: str) -> bool:
     return root == "" or path == root or path.startswith(root + ".")
+
+
+def _scope(target: Any) -> tuple[str, list[int] | None, Any] | None:
+    """(module address, the module calls it belongs to, journal) of an op or node.
+
+    An op, or a node paired with one or inferred, belongs to one call; an
+    AccumulateGrad node to every call of its parameter's module (or, for a
+    module never called itself, of its nearest called ancestor). An object
+    without a capture state answers from its ``module`` text (calls None).
+    """
+    state = getattr(target, "_state", None)
+    if state is None:
+        module = getattr(target, "module", None)
+        return None if module is None else (split_call(module)[0], None, None)
+    journal = state.journal
+    entry = target._entry
+    param = getattr(entry, "param", None)
+    if param is not None:
+        address = owning_module(param)
+        calls = journal.calls_of(address)
+        if not calls:
+            placed = journal.placement(address)
+            calls = [placed] if placed is not None else []
+        return address, calls, journal
+    if entry.module_call is None:
+        return None
+    return journal.module_calls[entry.module_call].address, [entry.module_call], journal
 
 
 class _Module(Selector):
     def __init__(self, addresses: tuple[str, ...]):
         self.addresses = addresses
-        self._parsed = [_split_address(a) for a in addresses]
+        self._parsed = [split_call(a) for a in addresses]
 
     def matches(self, obj: Any) -> bool:
-        if _is_forward_op(obj):
-            address = obj.module
-        else:
-            node = _node_of(obj)
-            address = node.module if node is not None else None
-        if address is None:
+        target = obj if _is_forward_op(obj) else _node_of(obj)
+        scope = _scope(target) if target is not None else None
+        if scope is None:
             return False
-        path, call = _split_address(address)
-        for root, root_call in self._parsed:
-            if not _in_path(path, root):
+        address, calls, journal = scope
+        for root, number in self._parsed:
+            if not _in_path(address, root):
                 continue
-            if root_call is None or (path == root and (call or 1) == root_call):
+            if number is None:
                 return True
-            if path != root and self._under_call(obj, address, root, root_call, call):
+            if calls is None:
+                # No capture state, no call tree: the object's own call number decides.
+                if (split_call(target.module)[1] or 1) == number:
+                    return True
+                continue
+            # "lin:2": only what runs inside lin's second call (every call it belongs to).
+            wanted = journal.resolve(f"{root}:{number}")
+            if wanted and calls and all(journal.within(call, wanted[0]) for call in calls):
                 return True
         return False
-
-    def _under_call(self, obj: Any, address: str, root: str, root_call: int, call: int | None) -> bool:
-        """Whether module call ``address`` runs inside the ``root_call``-th call of ``root``."""
-        state = getattr(_op_of(obj) or _node_of(obj), "_state", None)
-        if state is None:
-            # An object without a capture state carries no call tree: a child's call number
-            # follows its parent's in the usual one-child-call-per-parent-call case.
-            return (call or 1) == root_call
-        wanted = root if root_call == 1 else f"{root}:{root_call}"
-        return wanted in state.journal.call_chain(address)
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": "module", "names": list(self.addresses)}
@@ -282,9 +296,11 @@ def module(*addresses: str) -> Selector:
     """Ops inside these modules' subtrees (``"encoder.layer.0"``; ``""`` is the whole model).
 
     Matches the nodes paired with those ops and every node whose module is in
-    the subtree (its parameters' AccumulateGrad nodes, inferred nodes). An
-    address without a call suffix covers every call; ``"encoder.layer.0:2"``
-    only the second.
+    the subtree (its parameters' AccumulateGrad nodes, also of submodules never
+    called themselves; inferred nodes). An address covers every call of the
+    module; ``"encoder.layer.0:2"`` only the second, ``"encoder.layer.0:1"``
+    only the first (a parameter's AccumulateGrad serves every call of its
+    module, so it matches a call only when the module has that one call).
     """
     return _Module(_names("module", addresses))
 

@@ -195,9 +195,9 @@ def _check_invariants(cap, result: ValidationResult) -> None:
     calls = cap.grad_fn_calls
     check("call labels follow {node}:{c}", all(CALL_LABEL_PATTERN.match(c.label) for c in calls))
     check("every first-order node has a resolved order", all(g.order is not None for g in cap.grad_fns))
-    addresses = {m.address for m in cap.modules}
-    contained = all(op.module in addresses for op in cap.ops if op.module is not None)
-    contained &= all(g.module in addresses for g in cap.grad_fns if g.module is not None)
+    labels = {m.label for m in cap.modules}
+    contained = all(op.module in labels for op in cap.ops if op.module is not None)
+    contained &= all(g.module_call in labels for g in cap.grad_fns if g.module is not None)
     check("every op and node belongs to a recorded module call", contained)
     check("every pass completed", all(p.status == "ok" for p in passes))
     fired = {c.grad_fn.label for c in calls}

@@ -70,7 +70,7 @@ def test_lookups_by_label_work_on_a_loaded_capture(gpt2_bundle):
     assert loaded[node.label].type == node.type
     assert loaded[f"{node.label}:1"].pass_number == 1
     assert loaded["transformer.h.0"].address == "transformer.h.0"
-    assert loaded.grad_fns[node.label].calls.for_pass(1)[0].label == f"{node.label}:1"
+    assert loaded.grad_fns[node.label].calls.for_pass(1).label == f"{node.label}:1"
     with pytest.raises(KeyError, match="Close labels"):
         loaded["layer_norm_99"]
 

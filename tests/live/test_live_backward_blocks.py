@@ -234,3 +234,23 @@ def test_a_gradient_edit_after_planned_reads_still_applies(mlp, lens, x):
             a.grad = ga * 3
     assert gc.shape == (5, 3)
     assert torch.allclose(mlp.fc1.weight.grad, stock * 3)
+
+
+def test_grad_spelled_in_comprehensions_augmented_and_chained_assignments_is_served(mlp, lens, x):
+    reference(mlp, x, [])
+    stock = mlp.fc1.weight.grad.clone()
+    mlp.zero_grad()
+    with lens.trace(x):
+        a, c = lens.fc1.output, lens.fc3.output
+        with lens.output.sum().backward():
+            shapes = bl.save([tuple(t.grad.shape) for t in (c,)])
+            first = a.grad.clone().save()
+            a.grad *= 2
+            doubled = a.grad.save()
+            kept = a.grad = a.grad * 1.5
+            kept = bl.save(kept)
+    assert shapes == [(5, 3)]
+    assert torch.equal(doubled, first * 2)
+    assert torch.equal(kept, first * 3)
+    assert torch.allclose(mlp.fc1.weight.grad, stock * 3)
+    assert "grad" not in torch.Tensor.__dict__  # served without patching the Tensor class

@@ -238,3 +238,17 @@ def test_module_values_outside_an_invoke_are_refused(mlp, lens, x):
     assert info.value.code == "outside_invoke"
     assert "fc1.output" in str(info.value)
     assert_clean(mlp)
+
+
+def test_more_invokes_than_the_coroutine_pool_keeps_each_see_their_own_rows(mlp, lens):
+    torch.manual_seed(5)
+    inputs = [torch.randn(1, 4) for _ in range(12)]
+    full = mlp.fc2(mlp.act(mlp.fc1(torch.cat(inputs)))).detach()
+    seen = {}
+    with lens.trace() as tracer:
+        for k, inp in enumerate(inputs):
+            with tracer.invoke(inp):
+                seen[k] = lens.fc2.output.detach()
+    for k in range(12):
+        assert torch.equal(seen[k], full[k : k + 1])
+    assert_clean(mlp)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import runpy
+import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -10,7 +12,7 @@ import torch
 from live_helpers import assert_clean
 
 import backlens.live as bl
-from backlens.errors import TraceError
+from backlens.errors import BacklensWarning, TraceError
 
 
 def test_only_saved_values_reach_the_caller(lens, x):
@@ -139,3 +141,107 @@ def test_the_tracer_cannot_be_entered_twice(lens, x):
             pass
     assert info.value.code == "tracer_reused"
     assert_clean(lens._lens_module)
+
+
+counter = 0
+
+
+def test_a_name_declared_global_in_the_enclosing_function_is_written_to_the_module(lens, x):
+    global counter
+    counter = 0
+    with lens.trace(x):
+        counter = 5  # noqa: F841  (a global: no save needed, as in place)
+        h = lens.fc1.output  # noqa: F841
+    assert globals()["counter"] == 5
+
+
+def test_a_name_declared_nonlocal_in_the_enclosing_function_is_written_to_its_cell(lens, x):
+    total = 1
+
+    def add():
+        nonlocal total
+        with lens.trace(x):
+            total = total + 6
+            h = lens.fc1.output  # noqa: F841
+
+    add()
+    assert total == 7
+
+
+class _Base:
+    def describe(self) -> str:
+        return "base"
+
+
+class _Probe(_Base):
+    def __init__(self, lens, x):
+        self.__secret = 3
+        self.lens, self.x = lens, x
+
+    def describe(self) -> str:
+        return "probe"
+
+    def look(self):
+        with self.lens.trace(self.x):
+            secret = bl.save(self.__secret)
+            parent = bl.save(super().describe())
+            h = self.lens.fc1.output  # noqa: F841
+        return secret, parent
+
+
+def test_private_names_and_zero_argument_super_work_in_a_method(lens, x):
+    assert _Probe(lens, x).look() == (3, "base")
+
+
+def test_grad_mode_is_read_where_the_body_starts_so_no_grad_on_the_same_line_applies(lens, x):
+    with lens.trace(x), torch.no_grad():
+        enabled = bl.save(torch.is_grad_enabled())
+        needs_grad = bl.save(lens.fc1.output.requires_grad)
+    assert enabled is False and needs_grad is False
+
+
+def test_a_mode_a_body_sets_around_a_request_does_not_leak_into_the_model(mlp, lens, x):
+    with lens.trace(x):
+        with torch.no_grad():
+            h = lens.fc1.output  # noqa: F841  (the model runs on while this body waits here)
+            inside = bl.save(torch.is_grad_enabled())
+        out = lens.output.save()
+    assert out.requires_grad and out.grad_fn is not None
+    assert inside is False
+
+
+def test_a_script_run_with_python_dash_c_reads_its_source_from_the_command_line(tmp_path):
+    program = textwrap.dedent(
+        """
+        import torch
+        from torch import nn
+        import backlens as bl
+        model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 1))
+        lens = bl.wrap(model)
+        x = torch.randn(2, 3)
+        with lens.trace(x):
+            h = lens[0].output.save()
+            with lens.output.sum().backward():
+                g = h.grad.save()
+        print(tuple(h.shape), tuple(g.shape))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "(2, 3) (2, 3)"
+
+
+def test_a_backward_block_is_recognised_from_the_source_however_it_is_written(lens, x):
+    with pytest.warns(BacklensWarning):  # (for the plain call, below)
+        with lens.trace(x):
+            h = lens.fc1.output
+            with (
+                lens.output.sum()
+                * 2
+            ).backward(
+                retain_graph=True,
+            ):
+                g = h.grad.save()
+            twice = (lens.output.sum() * 2).backward(retain_graph=True)  # not a with: runs at once
+            ran = bl.save(twice is None)
+    assert g.shape == (5, 8) and ran is True

@@ -15,7 +15,7 @@ from trace_checks import ancestors, ns, parents_of, validate_trace
 
 
 class Twice(nn.Module):
-    """Calls one submodule twice (module calls ``inner`` and ``inner:2``)."""
+    """Calls one submodule twice (module calls ``inner:1`` and ``inner:2``)."""
 
     def __init__(self):
         super().__init__()
@@ -157,7 +157,7 @@ def test_repeated_module_calls_get_their_own_slices():
     cap.output.sum().backward()
     line = bl.report.timeline(cap)
     modules = {s.name for s in line if s.kind == "module"}
-    assert {"inner", "inner:2", "inner.0", "inner.0:2", "head"} <= modules
+    assert {"inner:1", "inner:2", "inner.0:1", "inner.0:2", "head"} <= modules
     second = [s for s in line if s.kind == "node" and s.args["module"] == "inner.0:2"]
     (outer,) = [s for s in line if s.name == "inner:2"]
     assert second and all(outer.start_ns <= s.start_ns and s.end_ns <= outer.end_ns for s in second)

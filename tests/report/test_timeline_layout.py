@@ -21,9 +21,9 @@ class Passes(list):
 def fake_capture(fires):
     """``fires``: (call label, module call label or None, start s, duration s), all in pass 1."""
     modules = [
-        SimpleNamespace(address="", module_type="Net", children=["a", "b"]),
-        SimpleNamespace(address="a", module_type="Linear", children=[]),
-        SimpleNamespace(address="b", module_type="Linear", children=[]),
+        SimpleNamespace(address="", label="", module_type="Net", children=["a", "b"]),
+        SimpleNamespace(address="a", label="a", module_type="Linear", children=[]),
+        SimpleNamespace(address="b", label="b", module_type="Linear", children=[]),
     ]
     calls = []
     for label, module, start, duration in fires:

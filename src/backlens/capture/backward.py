@@ -8,12 +8,15 @@ keeps), a pass as a pass entry. Hooks never change gradients unless an edit is
 armed for that node.
 
 A fire starts at its pre-hook and ends when the engine starts the next node
-on the same thread for the same run (or when the run ends). Its duration
-therefore includes the engine routing the node's outputs to the nodes that
-consume them (summing gradients that arrive from several paths), and leaves
-out backlens's own work in its hooks (edits, copies of kept gradients,
-non-finite checks); per thread, the durations of a pass's fires add up to the
-time the engine spent in it, less that work.
+on the same thread for the same run (or when the run ends; under
+``torch.distributed``, when the engine has run the pass's last node, before
+the final callbacks that wait for collectives). Its duration therefore
+includes the engine routing the node's outputs to the nodes that consume them
+(summing gradients that arrive from several paths), and leaves out
+backlens's own work in its hooks (edits, copies of kept gradients, non-finite
+checks) and the time spent in collectives issued inside it
+(capture/collectives.py charges that to them); per thread, the durations of a
+pass's fires add up to the time the engine spent in it, less that work.
 """
 
 from __future__ import annotations
@@ -30,12 +33,12 @@ import torch
 from backlens import _torch
 from backlens._fence import complete
 from backlens._warn import warn
-from backlens.capture.policy import GRAD_INPUT, GRAD_OUTPUT, GradPolicy
+from backlens.capture.policy import GRAD_INPUT, GRAD_OUTPUT, GradPolicy, GradSite
 from backlens.capture.state import CallEntry, CaptureState, PassEntry
-from backlens.capture.views import NodeView
+from backlens.capture.views import InputNode, NodeView
 from backlens.errors import NonFiniteGradError
 from backlens.graph import engine
-from backlens.graph.discovery import walk_new
+from backlens.graph.discovery import walk_bounded
 
 _now = time.perf_counter_ns
 _task_id = _torch.graph_task_id_function()
@@ -84,19 +87,26 @@ class BackwardRecorder:
         self.pre_edits: dict[int, Callable[[tuple, PassEntry], tuple | None]] = {}
         self._input_tensors = input_tensors
         self._source_ids = source_ids  # id(parameter or input) -> source index
-        self._source_kinds = state.journal.source_kinds  # "input" | "param" | "buffer", by source index
         self._output_roots = list(output_roots)
         self._handles: list[Any] = []
         self._sentinel_nodes: set[Any] = set()  # output nodes pre-hooked by arm()
         self._post_hooked = self._needs_post_hooks(policy, detect_nonfinite)
         self._forward_discovered = False
+        self._forward_nodes = 0  # the first nodes of the table: those the forward made (and its leaves)
+        self._forward_start = state.journal.seq_start  # nodes numbered before it are not the forward's
+        # Where the graph leaves the forward (non-leaf inputs' grad_fns), until the
+        # captures upstream of them are known (``upstream``).
+        self._exits: list[Any] = []
+        self._input_exits: list[tuple[int, InputNode]] = []  # non-leaf inputs: position, what policies see
+        self._upstream: list[weakref.ref] | None = None
         self._task: int | None = None
         self._pass: PassEntry | None = None
-        # The fire still running (or whose outputs the engine is routing), per (run, thread).
-        self._open: dict[tuple[int, int], CallEntry] = {}
         self._next_policy: GradPolicy | None = None
         self.armed = False
         self.hooking = True
+        # Under torch.distributed: end each pass's last fire when the engine has run its
+        # nodes, before the final callbacks that wait for collectives (DDP's, FSDP's).
+        self.end_fires_at_drain = False
 
     # -- arming ----------------------------------------------------------
     def arm(self) -> None:
@@ -123,7 +133,7 @@ class BackwardRecorder:
         self._handles.clear()
         self._sentinel_nodes.clear()
         self._output_roots = []
-        self._open.clear()
+        self._exits = []
 
     def close(self) -> None:
         """Remove every hook and let go of the user's tensors (the capture closes)."""
@@ -161,11 +171,88 @@ class BackwardRecorder:
 
     # -- discovery -------------------------------------------------------
     def discover_forward(self) -> None:
+        """Index the forward's graph: from its outputs down to its parameters' and leaf
+        inputs' AccumulateGrad nodes, stopping where a non-leaf input's history starts
+        (nodes made before the forward belong to whoever made them)."""
         if self._forward_discovered:
             return
         self._forward_discovered = True
-        found, _reached = walk_new(self._output_roots, self.table.knows)
+        found, self._exits = walk_bounded(self._output_roots, self.table.knows, self._made_before)
         self._add(found)
+        self._forward_nodes = len(self.table)
+        self._hook_input_exits()
+
+    def _made_before(self, node: Any) -> bool:
+        """Whether ``node`` was made before the forward (another graph's: a non-leaf input's history)."""
+        start = self._forward_start
+        if start is None or type(node).__name__ == "AccumulateGrad":
+            return False
+        seq = _torch.node_sequence_nr(node)
+        return seq is not None and seq < start
+
+    def _hook_input_exits(self) -> None:
+        """A non-leaf input's gradient is what arrives at its grad_fn, a node of its
+        history: a pre-hook there keeps it (the node itself is not this capture's)."""
+        if not self.hooking or not self._exits:
+            return
+        exits = set(self._exits)
+        state = self._state()
+        for position, tensor in enumerate(self._input_tensors):
+            node = tensor.grad_fn
+            if node is not None and node in exits and state is not None:
+                hook = partial(self._on_input_pre, position, tensor.output_nr, node)
+                self._handles.append(node.register_prehook(hook))
+                self._input_exits.append((position, InputNode(state.inputs[position].name, type(node).__name__)))
+
+    # -- ownership (graph/engine.py) ---------------------------------------
+    def forward_node(self, node: Any) -> bool:
+        """Whether the forward made ``node`` (its AccumulateGrad nodes excluded)."""
+        index = self.table.index_of.get(node)
+        return index is not None and index < self._forward_nodes and self.table.types[index] != "AccumulateGrad"
+
+    def owns(self, node: Any) -> bool:
+        """Whether ``node`` is this capture's own: made by its forward, its loss, or a pass."""
+        index = self.table.index_of.get(node)
+        return index is not None and self.table.types[index] != "AccumulateGrad"
+
+    def knows(self, node: Any) -> bool:
+        return node in self.table.index_of
+
+    def adopt(self, nodes: list[Any]) -> None:
+        """Take the nodes a run found on its way to this graph (the loss)."""
+        self._add(nodes)
+
+    def upstream(self, live: list[Any]) -> list[Any]:
+        """The live captures whose forward graphs this one's non-leaf inputs came from.
+
+        Found once: a capture upstream of this one's inputs was made before it.
+        """
+        if self._upstream is None:
+            others = [p for p in live if p is not self]
+            found: list[Any] = []
+            if others and self._exits:
+                def owner(node: Any) -> Any:
+                    return next((p for p in others if p.forward_node(node)), None)
+
+                seen: set[Any] = set()
+                queue = list(self._exits)
+                while queue:
+                    node = queue.pop()
+                    if node is None or node in seen:
+                        continue
+                    seen.add(node)
+                    at = owner(node)
+                    if at is not None:
+                        if at not in found:
+                            found.append(at)
+                        continue
+                    queue.extend(child for child, _ in node.next_functions)
+            self._upstream = [weakref.ref(p) for p in found]
+        return [p for p in (ref() for ref in self._upstream) if p is not None and p.armed]
+
+    def fired_nodes(self, pass_: PassEntry) -> list[Any]:
+        nodes, calls = self.table.nodes, self.calls
+        return [nodes[calls[i].node] for i in pass_.calls if calls[i].node < len(nodes)]
 
     def _leaf_source(self, node: Any) -> int | None:
         """The parameter or input an AccumulateGrad node accumulates into (its source index)."""
@@ -223,37 +310,6 @@ class BackwardRecorder:
         for index, node in enumerate(self.table.nodes):
             self._handles.append(node.register_hook(partial(self._on_post, index)))
 
-    def claim(self, roots: list[Any], others: list[BackwardRecorder] = ()) -> bool:
-        """Whether a run from ``roots`` touches this capture's graph (discovers loss nodes).
-
-        The walk stops at nodes of ``others`` (other live captures, already
-        discovered), so a backward over another capture's graph costs a walk of
-        its loss nodes only. A graph reached only through another capture's is
-        joined when one of our nodes fires (``engine.pass_for``).
-        """
-        if not self.armed:
-            return False
-        self.discover_forward()
-        knows = self.table.knows
-
-        def is_known(node: Any) -> bool:
-            return knows(node) or any(other.owns_non_leaf(node) for other in others)
-
-        found, reached = walk_new(roots, is_known)
-        owned = any(self.owns_non_leaf(node) for node in reached)
-        if owned:
-            self._add(found)
-        return owned
-
-    def owns_non_leaf(self, node: Any) -> bool:
-        index = self.table.index_of.get(node)
-        if index is None:
-            return False
-        if self.table.types[index] != "AccumulateGrad":
-            return True
-        source = self.table.leaf_source(index)  # an input's, not a (shared) parameter's
-        return source is not None and self._source_kinds[source] != "param"
-
     # -- passes ----------------------------------------------------------
     def use_policy_for_next_pass(self, policy: GradPolicy | None) -> None:
         self._next_policy = policy
@@ -279,10 +335,18 @@ class BackwardRecorder:
             start_ns=_now(),
             run=run,
             sides=sides,
+            kept_inputs=self._kept_inputs(policy, number),
             seq_start=_sequence_nr(),
         )
         self.passes.append(pass_)
         return pass_
+
+    def _kept_inputs(self, policy: GradPolicy, number: int) -> frozenset[int]:
+        """The non-leaf inputs whose gradient a pass under ``policy`` keeps."""
+        if not self._input_exits or policy.saves_nothing:
+            return frozenset()
+        return frozenset(position for position, stand_in in self._input_exits
+                         if policy.matches(GradSite(stand_in, number, "grad_output")))
 
     def preflight(self, pass_: PassEntry) -> BaseException | None:
         """An error to raise instead of running the engine (a node that cannot run again)."""
@@ -321,15 +385,13 @@ class BackwardRecorder:
         end = pass_.end_ns = _now()
         recording_error = pass_.recording_error
         pass_.status = "failed" if error is not None else "recording_failed" if recording_error else "ok"
-        still_open = [(key, entry) for key, entry in self._open.items() if entry.pass_number == pass_.number]
-        for key, _entry in still_open:
-            del self._open[key]
+        still_open = _take_open(pass_.run, self)
         if error is not None:
             if still_open:
                 # The fire started last and never followed by another is the one that raised.
-                pass_.failed_node = still_open[-1][1].node
+                pass_.failed_node = still_open[-1].node
         else:
-            for _key, entry in still_open:
+            for entry in still_open:
                 self._finish(entry, end, pass_)
         pass_.error = error if error is not None else recording_error
         pass_.seq_end = _sequence_nr()
@@ -340,9 +402,13 @@ class BackwardRecorder:
             self._discover_created(state, pass_)
         if any(p.create_graph for p in self.passes):
             nodes = state.nodes
-            pass_.orders = sorted({order for i in pass_.calls if (order := nodes[self.calls[i].node].order) is not None})
+            orders = [nodes[self.calls[i].node].order for i in pass_.calls]
+            pass_.orders = sorted({order for order in orders if order is not None})
+            resolved = sum(1 for order in orders if order is not None)
+            pass_.order_coverage = resolved / len(orders) if orders else 1.0
         else:
             pass_.orders = [1] if pass_.calls else []  # no pass made nodes: every node is order 1
+            pass_.order_coverage = 1.0
         for observer in self.observers:
             observer.on_pass_close(state, pass_, error)
         if error is not None:
@@ -369,11 +435,14 @@ class BackwardRecorder:
         if isinstance(result, (tuple, list)):
             roots.extend(t.grad_fn for t in result if isinstance(t, torch.Tensor) and t.grad_fn is not None)
         pass_.created_roots = []
-        found, _reached = walk_new(roots, self.table.knows)
-        added = self._add(found)
-        nodes = state.nodes
-        resolved = sum(1 for i in added if nodes[i].order is not None)
-        pass_.order_coverage = resolved / len(added) if added else 1.0
+        found, _outside = walk_bounded(roots, self.table.knows, self._made_before)
+        self._add(found)
+
+    def open_call(self) -> CallEntry | None:
+        """The fire of this capture's graph running on this thread now (None outside its passes)."""
+        pass_ = self._pass if _task_id() == self._task else None
+        opened = pass_.run.open.get(_thread()) if pass_ is not None and pass_.run is not None else None
+        return next((entry for r, entry, _p in opened[1:] if r is self), None) if opened else None
 
     def close_stale(self) -> None:
         """Backstop: close implicit passes whose engine run has drained."""
@@ -397,7 +466,27 @@ class BackwardRecorder:
         if pass_ is not None:
             self._task = task
             self._pass = pass_
+            if self.end_fires_at_drain and not pass_.drain_queued:
+                # Queued at the pass's first fire, so it runs before callbacks queued later.
+                pass_.drain_queued = _torch.queue_engine_callback(partial(self._drained, pass_))
         return pass_
+
+    def _drained(self, pass_: PassEntry) -> None:
+        """The engine has run every node of the pass: the fires still open end now."""
+        try:
+            if pass_.status == "running":
+                now = _now()
+                for entry in _take_open(pass_.run, self):
+                    self._finish(entry, now, pass_)
+        except Exception as exc:  # noqa: BLE001 - never into the engine; close_pass ends them instead
+            self._recording_failed(exc, pass_)
+
+    def charge_wait(self, nanoseconds: int) -> None:
+        """Time the rank spent in a collective inside the fire open on this thread: the
+        collective's, not the node's (leaves the fire's ``duration``)."""
+        entry = self.open_call()
+        if entry is not None:
+            entry.wait_ns += nanoseconds
 
     def _on_sentinel_pre(self, node: Any, grad_outputs: tuple) -> tuple | None:
         try:
@@ -422,10 +511,20 @@ class BackwardRecorder:
             if pass_ is None:
                 return None
             now = _now()
-            key = (self._task, _thread())
-            previous = self._open.get(key)
-            if previous is not None:
-                self._finish(previous, now, pass_)
+            nodes = self.table.nodes
+            if index >= len(nodes):
+                return None  # the capture closed while this fire was under way
+            node = nodes[index]
+            opened = pass_.run.open
+            thread = _thread()
+            previous = opened.get(thread)
+            if previous is not None and previous[0] is not node:
+                # The engine started another node: the fires on this thread end now, whichever
+                # capture recorded them (a capture's time is its own nodes').
+                del opened[thread]
+                for recorder, entry, entry_pass in previous[1:]:
+                    recorder._finish(entry, now, entry_pass)
+                previous = None
         except Exception as exc:  # noqa: BLE001
             self._recording_failed(exc)
             return None
@@ -436,7 +535,7 @@ class BackwardRecorder:
             arriving = replaced if replaced is not None else grad_outputs
             sides = pass_.sides[index] if index < len(pass_.sides) else 0
             kept = self.store.keep(self._owned(index, arriving), "grad_outputs") if sides & GRAD_OUTPUT else None
-            self._open[key] = CallEntry(
+            entry = CallEntry(
                 index,
                 pass_.number,
                 0,
@@ -446,6 +545,10 @@ class BackwardRecorder:
                 kept,
                 _sequence_nr() if create_graph else None,
             )
+            if previous is None:
+                opened[thread] = [node, (self, entry, pass_)]
+            else:
+                previous.append((self, entry, pass_))  # the same fire, recorded by another capture too
             if create_graph:
                 for grad in arriving:
                     if grad is not None and grad.grad_fn is not None:
@@ -453,6 +556,39 @@ class BackwardRecorder:
         except Exception as exc:  # noqa: BLE001
             self._recording_failed(exc, pass_)
         return replaced
+
+    def _on_input_pre(self, position: int, output_nr: int, node: Any, grad_outputs: tuple) -> None:
+        """A non-leaf input's gradient arrives at its grad_fn (a node of another graph)."""
+        pass_ = None
+        try:
+            task = _task_id()
+            pass_ = self._pass if task == self._task and self.hooking else None
+            if pass_ is None:
+                if not self.hooking:
+                    return None
+                pass_ = engine.pass_for(self, task, node)
+                if pass_ is None:
+                    return None
+                self._task, self._pass = task, pass_
+            opened = pass_.run.open
+            previous = opened.get(_thread())
+            if previous is not None and previous[0] is not node:
+                # Leaving this capture's graph: its last fire ends here, not with foreign work.
+                now = _now()
+                for recorder, entry, entry_pass in previous[1:]:
+                    if recorder is self:
+                        recorder._finish(entry, now, entry_pass)
+                previous[1:] = [item for item in previous[1:] if item[0] is not self]
+                if len(previous) == 1:
+                    del opened[_thread()]
+            grad = grad_outputs[output_nr] if output_nr < len(grad_outputs) else None
+            state = self._state()
+            if grad is None or state is None or position not in pass_.kept_inputs:
+                return None
+            state.extra_input_grads.append((position, grad, pass_.number))
+        except Exception as exc:  # noqa: BLE001 - never abort the user's backward
+            self._recording_failed(exc, pass_)
+        return None
 
     def _finish(self, entry: CallEntry, end: int, pass_: PassEntry) -> None:
         """Journal a fire once the next one on its thread starts (or its run ends)."""
@@ -473,7 +609,8 @@ class BackwardRecorder:
             pass_ = self._current(index)
             if pass_ is None:
                 return None
-            entry = self._open.get((self._task, _thread()))
+            opened = pass_.run.open.get(_thread())
+            entry = next((e for r, e, _p in opened[1:] if r is self), None) if opened is not None else None
             if entry is None or entry.node != index:
                 return None
             try:
@@ -514,6 +651,19 @@ class BackwardRecorder:
                 return  # it arrived non-finite; the node that made it was reported or is upstream
             bad = "NaN" if torch.isnan(grad).any() else "Inf"
             raise self.failures.nonfinite(self._state(), index, pass_, bad)
+
+
+def _take_open(run: engine.Run, recorder: BackwardRecorder) -> list[CallEntry]:
+    """Remove ``recorder``'s fires still open in ``run`` (on every thread); returns them."""
+    taken = []
+    for thread, opened in list(run.open.items()):
+        mine = [entry for r, entry, _p in opened[1:] if r is recorder]
+        if mine:
+            taken += mine
+            opened[1:] = [item for item in opened[1:] if item[0] is not recorder]
+            if len(opened) == 1:
+                del run.open[thread]
+    return taken
 
 
 def _finite(grad: Any) -> bool:

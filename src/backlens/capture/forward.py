@@ -27,7 +27,7 @@ from torch.overrides import TorchFunctionMode
 from backlens import _torch
 from backlens._nested import first_tensor
 from backlens.capture.views import OpView
-from backlens.graph.labels import op_name
+from backlens.graph.labels import call_label, op_name, split_call
 
 Tensor = torch.Tensor
 _sequence_nr = _torch.sequence_nr_function()
@@ -58,17 +58,21 @@ class OpEntry:
 
 @dataclass(slots=True)
 class ModuleCallEntry:
-    """One call of one module, as journalled (the fields after ``output_nr`` exist live only)."""
+    """One call of one module, as journalled (the fields after ``output_tracked`` exist live only).
+
+    ``address`` is the module's (``encoder.layer.0``), ``call`` the call's number
+    (1-based); the call's label follows from both (``ForwardJournal.call_label``).
+    """
 
     index: int
     address: str
-    module_address: str
-    call_number: int
+    call: int
     parent: int | None
     op_start: int
     op_end: int | None = None
     output_shape: tuple[int, ...] | None = None
     output_nr: int = 0
+    output_tracked: bool = False  # whether its first tensor output had a grad_fn
     seq_start: int | None = None
     seq_end: int | None = None
     output_node: Any = None
@@ -93,48 +97,85 @@ class ForwardJournal:
         self.seq_start: int | None = None
         self.seq_end: int | None = None
         self._op_seq_starts: list[int] | None = None
-        self._tree: tuple[int, dict[str, int], list[list[int]]] | None = None
+        self._calls_by_address: dict[str, list[int]] = {}  # module address -> its calls
+        self._tree: tuple[int, list[list[int]]] | None = None
 
     def restore(self, ops: list[OpEntry], module_calls: list[ModuleCallEntry], module_types: dict[str, str],
                 source_kinds: list[str], source_names: list[str]) -> None:
         """Fill a fresh journal with entries read back from a bundle."""
-        self._ops, self.module_calls, self.module_types = ops, module_calls, module_types
+        self._ops, self.module_types = ops, module_types
         self.source_kinds, self.source_names = source_kinds, source_names
+        self.module_calls, self._calls_by_address = [], {}
+        for call in module_calls:
+            self.note_call(call)
 
-    # -- module calls: one answer each ------------------------------------
-    def module_address(self, call: int | None) -> str | None:
-        """The address of module call ``call`` (an op's or node's module); None for no call."""
-        return self.module_calls[call].address if call is not None else None
+    # -- module calls: one answer each (the address grammar, API.md §1) ----
+    def note_call(self, call: ModuleCallEntry) -> None:
+        """Add one module call (in call order)."""
+        self.module_calls.append(call)
+        self._calls_by_address.setdefault(call.address, []).append(call.index)
 
-    def _call_tree(self) -> tuple[dict[str, int], list[list[int]]]:
-        """Call index by address, and each call's direct children (rebuilt as calls are added)."""
+    def call_label(self, call: int | None) -> str | None:
+        """The label of module call ``call``: its module's address when that module
+        has one call so far, else ``address:k``; None for no call."""
+        if call is None:
+            return None
+        entry = self.module_calls[call]
+        if len(self._calls_by_address.get(entry.address, ())) > 1:
+            return call_label(entry.address, entry.call)
+        return entry.address
+
+    def calls_of(self, address: str) -> list[int]:
+        """The calls of the module at ``address``, in order (empty when it was never called)."""
+        return self._calls_by_address.get(address, [])
+
+    def resolve(self, name: str) -> list[int] | None:
+        """The calls an address names: ``"lin"`` every call of ``lin``, ``"lin:2"`` its
+        second; None when it names no call (an unknown module, a call it never made)."""
+        found = self._calls_by_address.get(name)
+        if found:
+            return list(found)
+        address, number = split_call(name)
+        if number is not None:
+            calls = self._calls_by_address.get(address, [])
+            if 1 <= number <= len(calls):
+                return [calls[number - 1]]
+        return None
+
+    def placement(self, address: str) -> int | None:
+        """The call a module's own work is shown under: its first call or, for a module
+        never called itself (``MultiheadAttention.out_proj``), its nearest called ancestor's."""
+        while True:
+            calls = self._calls_by_address.get(address)
+            if calls:
+                return calls[0]
+            if not address:
+                return None
+            address = address.rpartition(".")[0]
+
+    def within(self, call: int, root: int) -> bool:
+        """Whether module call ``call`` is ``root`` or runs inside it."""
+        calls = self.module_calls
+        index: int | None = call
+        while index is not None:
+            if index == root:
+                return True
+            index = calls[index].parent
+        return False
+
+    def _call_tree(self) -> list[list[int]]:
+        """Each call's direct children (rebuilt as calls are added)."""
         calls = self.module_calls
         if self._tree is None or self._tree[0] != len(calls):
-            by_address = {call.address: call.index for call in calls}
             children: list[list[int]] = [[] for _ in calls]
             for call in calls:
                 if call.parent is not None:
                     children[call.parent].append(call.index)
-            self._tree = (len(calls), by_address, children)
-        return self._tree[1], self._tree[2]
+            self._tree = (len(calls), children)
+        return self._tree[1]
 
     def children(self, call: int) -> list[int]:
-        return self._call_tree()[1][call]
-
-    def first_call(self, module_address: str) -> int | None:
-        """The first call of a module (``encoder.layer.0``, not ``encoder.layer.0:2``)."""
-        return self._call_tree()[0].get(module_address)
-
-    def call_chain(self, address: str) -> set[str]:
-        """A module call's address and those of every call it runs inside."""
-        by_address = self._call_tree()[0]
-        chain = set()
-        index = by_address.get(address)
-        while index is not None:
-            call = self.module_calls[index]
-            chain.add(call.address)
-            index = call.parent
-        return chain
+        return self._call_tree()[call]
 
     @property
     def ops(self) -> list[OpEntry]:
@@ -201,13 +242,18 @@ class ForwardJournal:
         ``Function.apply`` is invisible to the mode and takes its node's sequence
         number before running forward under no_grad, so the ops of that forward
         make no node and sit at ``seq + 1``; the last of them made the output.
+        Ops that made no node either may follow it in later module calls (FSDP's
+        unsharding before the next unit): only ops inside the module call that
+        ran the Function count.
         """
         self.op_index_for_sequence_nr(seq)  # refreshes the bracket index
+        call = self.module_call_for_sequence_nr(seq)
         pos = bisect_right(self._op_seq_starts, seq + 1) - 1
         while pos >= 0 and self.raw_ops[pos][2] == seq + 1:
-            if self.raw_ops[pos][3] == seq + 1:
+            inside = call is None or (call.op_start <= pos and (call.op_end is None or pos < call.op_end))
+            if self.raw_ops[pos][3] == seq + 1 and inside:
                 return self.op(pos)
-            pos -= 1  # an op after the Function that made nodes of its own
+            pos -= 1  # an op after the Function that made nodes of its own, or outside its call
         return None
 
     def module_call_for_sequence_nr(self, seq: int) -> ModuleCallEntry | None:
@@ -283,12 +329,18 @@ class ForwardRecorder(TorchFunctionMode):
         self.op_hook = op_hook
         self._ids: dict[int, int] = {}
         self._module_stack: list[int] = []
-        self._module_call_counts: dict[str, int] = {}
         self._addresses: dict[int, str] = {}
         self._raw = journal.raw_ops
         self._parent_refs = journal.parent_refs
         # May replace a module call's output (activation edits on module addresses).
         self.module_output_hook: Callable[[ModuleCallEntry, Any], Any] | None = None
+        # Records each op's arguments for differentiable replay (capture/replay_record.py), or None.
+        self.replay: Any = None
+
+    def record_replay(self, recording: Any) -> None:
+        """Record every op's call into ``recording`` (a ReplayRecording) during the forward."""
+        self.replay = recording
+        recording.start(self._ids)
 
     # -- sources ---------------------------------------------------------
     def register_sources(self, kind: str, named: Iterable[tuple[str, Tensor]]) -> list[int]:
@@ -326,18 +378,14 @@ class ForwardRecorder(TorchFunctionMode):
         if address is None:
             return original(module, *args, **kwargs)
         journal = self.journal
-        calls = journal.module_calls
         stack = self._module_stack
-        counts = self._module_call_counts
-        number = counts.get(address, 0) + 1
-        counts[address] = number
-        index = len(calls)
+        index = len(journal.module_calls)
         parent = stack[-1] if stack else None
         call = ModuleCallEntry(
-            index, address if number == 1 else f"{address}:{number}", address, number, parent,
+            index, address, len(journal.calls_of(address)) + 1, parent,
             op_start=len(self._raw), seq_start=_sequence_nr(),
         )
-        calls.append(call)
+        journal.note_call(call)
         stack.append(index)
         try:
             output = original(module, *args, **kwargs)
@@ -349,10 +397,13 @@ class ForwardRecorder(TorchFunctionMode):
             call.seq_end = _sequence_nr()
             call.op_end = len(self._raw)
             first = output if isinstance(output, Tensor) else first_tensor(output)
+            if self.replay is not None:
+                self.replay.module_output(index, first)
             if first is not None:
                 call.output_shape = tuple(first.shape)
                 node = first.grad_fn
                 if node is not None:
+                    call.output_tracked = True
                     call.output_node = node
                     call.output_nr = first.output_nr
         return output
@@ -382,6 +433,8 @@ class ForwardRecorder(TorchFunctionMode):
         if kwargs:
             _collect(kwargs.values(), ids, refs)
         index = len(self._raw)
+        if self.replay is not None:
+            self.replay.record(index, args, kwargs, outputs, primary)
         if outputs is None:
             ids[id(primary)] = index
         else:
@@ -410,12 +463,16 @@ class ForwardRecorder(TorchFunctionMode):
         entry = self.journal.op(index)
         if self.activations.keeps_any and self.activations.keeps(self.state.view(OpView, index)):
             entry.activation = primary.detach().clone()
+            if self.replay is not None and out is not primary:
+                self.replay.keep_other_outputs(index, out)
         if self.op_hook is not None:
             out = self.op_hook(entry, out)
         return out
 
-    def finish(self) -> None:
-        """Drop the forward-time lookup tables (after the forward)."""
+    def finish(self, output: Any = None) -> None:
+        """Drop the forward-time lookup tables (after the forward that returned ``output``)."""
+        if self.replay is not None:
+            self.replay.finish(output)
         self._ids = {}
 
 

@@ -4,7 +4,7 @@ tensor norms before and after."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -14,7 +14,7 @@ from backlens.capture.forward import OpEntry
 from backlens.capture.views import OpView
 from backlens.edits import EditContext, Intervention, apply_checked
 from backlens.errors import BackwardUnavailableError
-from backlens.graph.labels import label_not_found
+from backlens.graph.labels import label_not_found, split_call
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,14 @@ class EditApplication:
     pass_number: int | None
     norm_before: float
     norm_after: float
+
+
+def _names_call(site: str, call: Any) -> bool:
+    """Whether address ``site`` names module call ``call`` (while the forward runs)."""
+    if site == call.address:
+        return True
+    address, number = split_call(site)
+    return number is not None and address == call.address and number == call.call
 
 
 def _norm(tensor: torch.Tensor) -> float:
@@ -45,6 +53,8 @@ class ArmedEdits:
                 for target in part.targets:
                     (self.gradient if part.gradient else self.activation).append((target, intervention))
         self.forward_applications = forward_applications  # the state's forward_edits
+        # (position in forward_applications, module call) of the applications made in the forward.
+        self._forward_calls: list[tuple[int, int | None]] = []
         self._counts: dict[int, int] = {}
         # (kind, op or module call index, intervention, site) of gradient edits not yet on a node.
         self._pending: list[tuple[str, int, Intervention, str]] = []
@@ -79,7 +89,8 @@ class ArmedEdits:
                         continue
                 elif not target.matches(view):
                     continue
-                out = self._edit_output(out, intervention, target, entry.label, view.module)
+                out = self._edit_output(out, intervention, target, entry.label, entry.module_call,
+                                        state.journal.call_label(entry.module_call))
             return out
 
         return hook
@@ -89,33 +100,46 @@ class ArmedEdits:
         return any(isinstance(t, str) for t, _ in self.activation)
 
     def module_hook(self, call: Any, output: Any) -> Any:
+        """Edit a module call's output as it returns: a site names the module (every
+        call) or one call (``"lin:2"``; ``"lin:1"`` is the first)."""
         for target, intervention in self.activation:
-            if isinstance(target, str) and target in (call.address, call.module_address):
-                output = self._edit_output(output, intervention, target, None, call.address)
+            if isinstance(target, str) and _names_call(target, call):
+                label = call.address if call.call == 1 else f"{call.address}:{call.call}"  # so far
+                output = self._edit_output(output, intervention, target, None, call.index, label)
         return output
 
     def _edit_output(self, out: Any, intervention: Intervention, target: Any, op: str | None,
-                     module: str | None) -> Any:
+                     module_call: int | None, label: str | None) -> Any:
         site = target if isinstance(target, str) else repr(target)
 
         def run(value: torch.Tensor) -> torch.Tensor:
-            ctx = EditContext(site, op, module, None, application=self._next(intervention))
+            # The call's label is known once the forward ends (``lin`` becomes ``lin:1``
+            # when ``lin`` runs again): the application names it then (``label_applications``).
+            ctx = EditContext(site, op, label, None, application=self._next(intervention))
             new = apply_checked(intervention.edit, value, ctx)
+            self._forward_calls.append((len(self.forward_applications), module_call))
             self.forward_applications.append(
-                EditApplication(site, repr(intervention.edit), op, module, None, _norm(value), _norm(new))
+                EditApplication(site, repr(intervention.edit), op, None, None, _norm(value), _norm(new))
             )
             return new
 
         return replace_first_tensor(out, run)
 
+    def label_applications(self, journal: Any) -> None:
+        """After the forward: name each forward application's module call by its final label."""
+        for position, module_call in self._forward_calls:
+            applied = self.forward_applications[position]
+            self.forward_applications[position] = replace(applied, module=journal.call_label(module_call))
+        self._forward_calls = []
+
     def check_sites(self, journal: Any) -> None:
         """A site string that names no op and no module call: KeyError with close labels."""
         labels = {op.label for op in journal.ops}
-        calls = journal.module_calls
-        addresses = {c.address for c in calls} | {c.module_address for c in calls}
         for target, _ in [*self.activation, *self.gradient]:
-            if isinstance(target, str) and target not in labels and target not in addresses:
-                raise label_not_found("op or module", target, sorted(labels | addresses))
+            if isinstance(target, str) and target not in labels and journal.resolve(target) is None:
+                calls = journal.module_calls
+                names = {journal.call_label(c.index) for c in calls} | {c.address for c in calls}
+                raise label_not_found("op or module", target, sorted(labels | names))
 
     # -- backward ------------------------------------------------------------
     def find_gradient_sites(self, state: Any) -> None:
@@ -125,8 +149,7 @@ class ArmedEdits:
             site = target if isinstance(target, str) else repr(target)
             if isinstance(target, str):
                 self._pending += [("op", op.index, intervention, site) for op in journal.ops if op.label == target]
-                self._pending += [("module", call.index, intervention, site) for call in journal.module_calls
-                                  if target in (call.address, call.module_address)]
+                self._pending += [("module", call, intervention, site) for call in journal.resolve(target) or ()]
             else:
                 self._pending += [("op", op.index, intervention, site) for op in journal.ops
                                   if target.matches(state.view(OpView, op.index))]
@@ -141,10 +164,10 @@ class ArmedEdits:
         for kind, index, intervention, site in self._pending:
             if kind == "op":
                 node, entry = state.node_of_op(index), journal.ops[index]
-                op, module = entry.label, journal.module_address(entry.module_call)
+                op, module = entry.label, journal.call_label(entry.module_call)
             else:
                 node, entry = state.node_of_module_call(index), journal.module_calls[index]
-                op, module = None, entry.address
+                op, module = None, journal.call_label(index)
             if node is None:
                 still_pending.append((kind, index, intervention, site))
                 continue

@@ -3,10 +3,13 @@
 Read once per node, when its entry is first built (graph/table.py), from what
 the state recorded:
 
-* AccumulateGrad belongs to its parameter's module (its first call);
+* AccumulateGrad belongs to its parameter's module, also when that module was
+  never called itself (``MultiheadAttention.out_proj``); reports show it under
+  the module's first call, or its nearest called ancestor's;
 * a node made inside the forward is paired with the op whose sequence-number
   bracket holds its own (a custom Function's node with the last op its forward
-  ran), else inferred from the innermost module call around it;
+  ran: the op made its output), else inferred from the innermost module call
+  around it;
 * a node a pass made (``create_graph=True``) has its creator's order + 1 and
   module: the creator is the fire whose bracket holds the node's number.
 """
@@ -29,7 +32,7 @@ def describe_node(state: Any, type_name: str, seq: int | None, is_custom: bool, 
             return Pairing()
         if journal.source_kinds[source] == "param":
             name = journal.source_names[source]
-            return Pairing(module_call=journal.first_call(owning_module(name)), module_source="paired",
+            return Pairing(module_call=journal.placement(owning_module(name)), module_source="paired",
                            param=name, source=source)
         return Pairing(source=source)
     if seq is not None and journal.in_forward(seq):
@@ -41,8 +44,9 @@ def describe_node(state: Any, type_name: str, seq: int | None, is_custom: bool, 
         op = journal.op_run_by_custom_node(seq) if is_custom else None
         if op is not None:
             # A custom Function's apply is invisible to the mode; its node lands
-            # on the output of the last op its forward ran.
-            return Pairing(op=op.index, module_call=op.module_call, module_source="inferred")
+            # on the output of the last op its forward ran: paired with that op.
+            return Pairing(op=op.index, module_call=op.module_call,
+                           module_source="paired" if op.module_call is not None else None)
         call = journal.module_call_for_sequence_nr(seq)
         if call is not None:
             return Pairing(module_call=call.index, module_source="inferred")

@@ -81,6 +81,7 @@ class CallEntry:
     seq_start: int | None = None
     seq_end: int | None = None
     hook_ns: int = 0  # time spent in backlens's own post-hook inside the fire (not the node's)
+    wait_ns: int = 0  # time inside the fire spent issuing or waiting for collectives (theirs, not the node's)
     flops: int | None = None  # written when the pass closes, by backlens.cost (None: not counted)
     recompute_flops: int | None = None
 
@@ -101,17 +102,36 @@ class PassEntry:
     error: BaseException | None = None
     end_ns: int | None = None
     orders: list[int] = field(default_factory=list)
-    order_coverage: float | None = None
+    order_coverage: float = 1.0  # the resolved fraction of the nodes that fired (written at close)
+    other_capture_nodes: int = 0  # nodes of the same engine run that other captures recorded
     edits: list[Any] = field(default_factory=list)
     calls: list[int] = field(default_factory=list)  # call entry indices, in firing order
     run: Any = None  # the engine run (graph/engine.py)
     sides: list[int] = field(default_factory=list)  # per node: which gradients this pass keeps
+    kept_inputs: frozenset[int] = frozenset()  # non-leaf inputs whose gradient this pass keeps
     created_roots: list[Any] = field(default_factory=list)
     seq_start: int | None = None
     seq_end: int | None = None
     result: Any = None
     failed_node: int | None = None
     recording_error: BaseException | None = None  # an internal error in a hook (status recording_failed)
+    drain_queued: bool = False  # whether its fires end when the engine drains (distributed captures)
+
+
+@dataclass(eq=False, slots=True)
+class CollectiveEntry:
+    """One collective a backward issued (DDP's bucket all-reduce, FSDP's all-gathers and
+    reduce-scatters): ``bytes`` of the buffer it reduces or gathers, the parameters it
+    carries (by name) and their modules; ``end_ns`` is when its work completed (None
+    until seen complete)."""
+
+    pass_number: int
+    kind: str  # "all_reduce" | "all_gather" | "reduce_scatter"
+    bytes: int
+    start_ns: int
+    end_ns: int | None
+    params: tuple[str, ...]
+    modules: tuple[str, ...]
 
 
 class CaptureState:
@@ -123,6 +143,7 @@ class CaptureState:
         self.calls: list[CallEntry] = []
         self.node_calls: list[list[int]] = []  # per node: its call entries, in firing order
         self.passes: list[PassEntry] = []
+        self.collectives: list[CollectiveEntry] = []  # in the order they were issued
         self.params: list[ParamEntry] = []
         self.inputs: list[InputEntry] = []
         self.slots = GradSlots()
@@ -130,11 +151,15 @@ class CaptureState:
         self.extra_input_grads: list[tuple[int, torch.Tensor, int]] = []
         self.forward_edits: list[Any] = []
         self.cost: Any = None  # a CostJournal (backlens.cost.journal), None without one
+        self.checkpoints: Any = None  # a CheckpointJournal (backlens.cost.checkpoints), None: not witnessed
+        self.replay: Any = None  # a ReplayRecording (live, when activations were kept), None otherwise
         self.store: TensorStore = store if store is not None else MemoryStore()
         self.inference_only = False
         self.inference_cause: str | None = None
         self.backward_requested = True
         self.flops_enabled = False
+        self.rank: int | None = None  # under torch.distributed: this process's rank and the world size
+        self.world_size: int | None = None
         self.recorder: Any = None  # a live capture's BackwardRecorder
         self.closed = False
         self.interrupted: str | None = None  # why recording stopped (an interrupted update), else None
@@ -216,6 +241,7 @@ class CaptureState:
         self.table.clear()
         self.journal.drop_nodes()
         self.slots.drop_nodes()
+        self.replay = None  # replay needs the model, which a closed capture lets go of
         self.closed = True
 
     def __del__(self) -> None:

@@ -45,6 +45,8 @@ class UnmatchedSelectorWarner:
         fired = [state.calls[i] for i in pass_.calls]
         if any(c.grad_inputs is not None or c.grad_outputs is not None for c in fired):
             return
+        if any(number == pass_.number for _i, _g, number in state.extra_input_grads):
+            return  # a non-leaf input's gradient was kept
         nodes = state.nodes
         types = sorted({nodes[c.node].type for c in fired})
         seen = f" Node types that ran: {_short(types)}." if types else " No node of this capture ran."

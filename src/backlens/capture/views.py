@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from backlens.graph.labels import owning_module
+
 
 def entry_field(name: str, doc: str | None = None) -> property:
     """A property reading one field of the viewed entry."""
@@ -59,8 +61,8 @@ class OpView(View):
 
     @property
     def module(self) -> str | None:
-        """Address of the innermost module call the op ran in (None outside the model)."""
-        return self._state.journal.module_address(self._entry.module_call)
+        """Label of the innermost module call the op ran in (None outside the model)."""
+        return self._state.journal.call_label(self._entry.module_call)
 
     @property
     def parents(self) -> list[str]:
@@ -104,8 +106,18 @@ class NodeView(View):
 
     @property
     def module(self) -> str | None:
-        """Address of the module call this node belongs to."""
-        return self._state.journal.module_address(self._entry.module_call)
+        """The module call this node belongs to (its label); for AccumulateGrad, its
+        parameter's module (the address: all its calls, also when it was never called)."""
+        entry = self._entry
+        if entry.param is not None:
+            return owning_module(entry.param)
+        return self._state.journal.call_label(entry.module_call)
+
+    @property
+    def module_call(self) -> str | None:
+        """The module call its work is shown under in reports: its own; for AccumulateGrad
+        its module's first call, or its nearest called ancestor's."""
+        return self._state.journal.call_label(self._entry.module_call)
 
     @property
     def func(self) -> str | None:
@@ -120,3 +132,23 @@ class NodeView(View):
 
 
 View.VIEWS = {"op": OpView, "grad_fn": NodeView}
+
+
+class InputNode:
+    """What a save policy sees for a non-leaf input's gradient: that input, standing
+    where a node would (its grad_fn belongs to the graph it came from, not to the
+    capture). ``label`` is the input's name (``args[0]``), ``type`` its grad_fn's class."""
+
+    __slots__ = ("label", "type")
+    kind = "grad_fn"
+    op = None
+    module = None
+    func = None
+    param = None
+    order = 1
+    is_custom = False
+    calls: tuple = ()
+
+    def __init__(self, label: str, type_name: str):
+        self.label = label
+        self.type = type_name

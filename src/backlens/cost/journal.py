@@ -21,7 +21,12 @@ A pass dict::
      "recompute_known": True,         # False: recompute_flops are None (no evidence)
      "recompute_flops": 0,
      "attributed": True,              # False: the executing node was unreadable
-     "aten_calls": 57}
+     "aten_calls": 57,
+     "aten_ops": {"names": ["aten.mm.default", ...],   # every ATen call, in dispatch order
+                  "op": [0, ...],                       # index into names, per call
+                  "call": [12, None, ...],              # its node call's position (None: none)
+                  "flops": [70, ...],
+                  "grad_enabled": [False, ...]}}        # None when not counted
 """
 
 from __future__ import annotations

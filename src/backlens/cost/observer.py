@@ -2,7 +2,8 @@
 
 For each explicit engine run over the capture's graph the recorder asks
 :meth:`FlopObserver.run_context` for a context to hold open around the real
-engine run: a fresh :class:`BackwardCensus`. When the pass closes the census
+engine run: a fresh :class:`BackwardCensus`, shared by every capture the run
+belongs to. When the pass closes the census
 is settled onto the pass's call entries and the pass dict is appended to the
 state's :class:`~backlens.cost.journal.CostJournal`. Implicit runs never get a
 census: their pass dict says so.
@@ -56,27 +57,57 @@ def census_left_behind(mode: Any) -> bool:
 
 
 class FlopObserver:
-    """Counts backward FLOPs of every explicit pass of one capture."""
+    """Counts backward FLOPs of every explicit pass of one capture.
 
-    def __init__(self) -> None:
-        _warm_dispatch_modes()
-        self._census: dict[int, BackwardCensus] = {}
+    One census counts a run, whichever captures take part (the first of them
+    that counts FLOPs holds it open); each capture settles its own nodes' share,
+    and the census's holder also the calls under no capture's node.
+
+    ``cannot_count``: why no pass of this capture can be counted (then no census
+    runs, and each pass says so), or None.
+    """
+
+    def __init__(self, cannot_count: str | None = None) -> None:
+        self._cannot_count = cannot_count
+        if cannot_count is None:
+            _warm_dispatch_modes()
+        self._runs: dict[int, Any] = {}
 
     def run_context(self, run: Any, pass_: Any) -> Any:
-        census = self._census[pass_.number] = BackwardCensus(create_graph=run.create_graph)
+        if self._cannot_count is not None:
+            return None
+        self._runs[pass_.number] = run
+        if "census" in run.shared:
+            return None  # another capture's observer counts this run
+        census = run.shared["census"] = BackwardCensus(create_graph=run.create_graph)
+        run.shared["census_pass"] = pass_
         return _torch.dispatch_mode(census)  # off torch's mode stack on the way out, also on Ctrl-C
 
+    def census_of(self, number: int) -> BackwardCensus | None:
+        """The census counting pass ``number``'s run while it runs (maybe another capture's)."""
+        run = self._runs.get(number)
+        return run.shared.get("census") if run is not None else None
+
     def on_pass_close(self, state: Any, pass_: Any, error: BaseException | None) -> None:
-        census = self._census.pop(pass_.number, None)
+        self._runs.pop(pass_.number, None)
+        run = pass_.run
+        census = run.shared.get("census") if run is not None else None
         if census is not None:
-            # Off torch's mode stack even if a Ctrl-C cut its own cleanup short.
+            # Off torch's mode stack even if a Ctrl-C cut its own cleanup short (the run
+            # is over: the engine wrapper leaves the census before closing the passes).
             census.closed = True
             _torch.drop_dispatch_modes(census_left_behind)
         calls = [state.calls[i] for i in pass_.calls]
-        reason = no_count_reason(census, pass_.trigger, pass_.run.explicit, error)
+        reason = self._cannot_count or no_count_reason(census, pass_.trigger, run is not None and run.explicit,
+                                                       error)
         if reason is not None:
             for entry in calls:
                 entry.flops = entry.recompute_flops = None
             state.cost.passes.append(uncounted(pass_.number, reason))
             return
-        state.cost.passes.append(settle(census, pass_.number, calls, state))
+        recorder = state.recorder
+        state.cost.passes.append(settle(
+            census, pass_.number, calls, state,
+            elsewhere=lambda node: run.recorded_elsewhere(node, recorder),
+            holder=run.shared.get("census_pass") is pass_,
+        ))

@@ -10,9 +10,11 @@ formula failure) leaves every call's FLOPs ``None``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from backlens import _torch
+from backlens.cost.aten_ops import aten_columns
 from backlens.cost.census import BackwardCensus
 from backlens.cost.formulas import op_name
 
@@ -22,7 +24,7 @@ def uncounted(number: int, reason: str) -> dict[str, Any]:
     return {
         "pass": number, "counted": False, "reason": reason, "executed_flops": None,
         "unattributed_flops": None, "unattributed_ops": [], "recompute_known": False,
-        "recompute_flops": None, "attributed": False, "aten_calls": None,
+        "recompute_flops": None, "attributed": False, "aten_calls": None, "aten_ops": None,
     }
 
 
@@ -43,11 +45,15 @@ def no_count_reason(census: BackwardCensus | None, trigger: str, explicit: bool,
     return None
 
 
-def settle(census: BackwardCensus, number: int, calls: list[Any], state: Any) -> dict[str, Any]:
+def settle(census: BackwardCensus, number: int, calls: list[Any], state: Any, *,
+           elsewhere: Callable[[Any], bool] | None = None, holder: bool = True) -> dict[str, Any]:
     """Write each call entry's ``flops``/``recompute_flops`` and return the pass dict.
 
     ``calls`` are the pass's call entries of ``state`` (a CaptureState); a node
     fires at most once per engine run, so node index -> call is one-to-one.
+    When the run took part in several captures, FLOPs under a node another one
+    recorded (``elsewhere(node)``) are that capture's, and the calls under no
+    capture's node are counted by the census's ``holder`` alone.
     """
     index_of = state.table.index_of
     attributed = _torch.HAS_CURRENT_AUTOGRAD_NODE
@@ -67,9 +73,11 @@ def settle(census: BackwardCensus, number: int, calls: list[Any], state: Any) ->
     executed = 0
     recompute = 0
     for node, func, flops, recomputed in census.charged:
-        executed += flops
         index = index_of.get(node)
         entry = call_of_node.get(index) if index is not None else None
+        if entry is None and (not holder or (elsewhere is not None and elsewhere(node))):
+            continue  # another capture's node (or share) of the run
+        executed += flops
         if entry is None:
             if index is None:
                 under = f"{type(node).__name__} (a node outside this capture's graph)"
@@ -82,13 +90,26 @@ def settle(census: BackwardCensus, number: int, calls: list[Any], state: Any) ->
             recompute += flops
             if entry.recompute_flops is not None:
                 entry.recompute_flops += flops
-    for func, flops in census.unattributed:
+    for func, flops in census.unattributed if holder else ():
         executed += flops
         bucket(func, None, flops)
     unattributed_ops = [
         {"op": name, "under": under, "calls": n, "flops": flops}
         for (name, under), (n, flops) in buckets.items()
     ]
+    position_of = {entry.node: position for entry, position in zip(calls, state.passes[number - 1].calls)}
+
+    def call_of(node: Any) -> int | None:
+        index = index_of.get(node)
+        return position_of.get(index) if index is not None else None
+
+    def mine(node: Any) -> bool:
+        if node is None:
+            return holder
+        return call_of(node) is not None or (holder and not (elsewhere is not None and elsewhere(node)))
+
+    aten_ops = aten_columns(census.aten, call_of, mine)
+
     return {
         "pass": number,
         "counted": True,
@@ -99,5 +120,6 @@ def settle(census: BackwardCensus, number: int, calls: list[Any], state: Any) ->
         "recompute_known": known,
         "recompute_flops": recompute if known else None,
         "attributed": attributed,
-        "aten_calls": census.aten_calls,
+        "aten_calls": len(aten_ops["op"]),
+        "aten_ops": aten_ops,
     }

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from backlens._pandas import data_frame
 from backlens.errors import LabelNotFoundError
 
 # The one status an exposed intermediate record has: its gradient was computed
@@ -112,13 +113,11 @@ class IntermediateGrads(Sequence):
         return [r.label for r in self._records]
 
     def to_pandas(self):
-        import pandas as pd
-
-        return pd.DataFrame(
+        return data_frame(
             [{"label": r.label, "op": r.op, "output_index": r.output_index, "shape": r.shape,
               "dtype": r.dtype, "grad_norm": _norm(r.grad), "status": r.status, "grad": r.grad}
              for r in self._records],
-            columns=["label", "op", "output_index", "shape", "dtype", "grad_norm", "status", "grad"],
+            ["label", "op", "output_index", "shape", "dtype", "grad_norm", "status", "grad"],
         )
 
     def __repr__(self) -> str:
@@ -150,15 +149,13 @@ class DerivedGrads:
 
     def to_pandas(self):
         """One row per leaf gradient, then one per exact intermediate record."""
-        import pandas as pd
-
         rows = [{"kind": "leaf", "name": name, "op": None, "shape": tuple(g.shape), "dtype": str(g.dtype),
                  "grad_norm": _norm(g), "status": EXACT, "grad": g}
                 for name, g in self.leaf_grads.items()]
         for r in self.intermediates or ():
             rows.append({"kind": "intermediate", "name": r.label, "op": r.op, "shape": r.shape,
                          "dtype": r.dtype, "grad_norm": _norm(r.grad), "status": r.status, "grad": r.grad})
-        return pd.DataFrame(rows, columns=["kind", "name", "op", "shape", "dtype", "grad_norm", "status", "grad"])
+        return data_frame(rows, ["kind", "name", "op", "shape", "dtype", "grad_norm", "status", "grad"])
 
     def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """Write a bundle at ``path`` that ``bl.load(path)`` reads back as an equal record."""

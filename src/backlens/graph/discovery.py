@@ -63,3 +63,30 @@ def walk_new(
         found.append(node)
         queue.extend(next_node for next_node, _ in node.next_functions)
     return found, reached_known
+
+
+def walk_bounded(
+    roots: Iterable[Node], is_known: Callable[[Node], bool], is_outside: Callable[[Node], bool]
+) -> tuple[list[Node], list[Node]]:
+    """Breadth-first walk from ``roots`` that enters neither known nodes nor nodes outside.
+
+    Returns the unknown nodes inside, in discovery order, and the outside nodes
+    the walk reached (where the graph leaves, as into a non-leaf input's history).
+    """
+    seen: set[Node] = set()
+    found: list[Node] = []
+    outside: list[Node] = []
+    queue = deque(roots)
+    while queue:
+        node = queue.popleft()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if is_known(node):
+            continue
+        if is_outside(node):
+            outside.append(node)
+            continue
+        found.append(node)
+        queue.extend(next_node for next_node, _ in node.next_functions)
+    return found, outside

@@ -2,11 +2,21 @@
 
 ``torch.autograd.backward``, ``Tensor.backward`` and ``torch.autograd.grad``
 all end in one engine entry point of ``torch.autograd.graph``. backlens wraps it
-once per process through ``_torch.install_engine_wrapper`` and leaves it in
-place (as live tracing does with ``Tensor.backward``); with no capture armed
-the wrapper is a pass-through. A run started elsewhere is found by the engine's graph-task
+through ``_torch.install_engine_wrapper`` while a capture is armed or an observer
+watches, and puts torch's own back when the last of them goes, so a plain
+backward runs no backlens code. A run started elsewhere is found by the engine's graph-task
 id when one of a capture's hooks first fires, and becomes an *implicit* run,
 closed when the engine drains.
+
+Ownership. A run belongs to a capture when it reaches a node that capture's
+forward made; a run reaching it only through a leaf input's or a shared
+parameter's AccumulateGrad is not its pass. One walk per run, from its roots,
+stops at the nodes the live captures' forwards made: the captures it reaches
+take part, and so do the captures whose graphs theirs feed (an encoder captured
+apart from the head that consumes its output). The nodes the walk finds on the
+way (the loss) go to the capture they lead to (the first armed, when they lead
+to several). When one run reaches several captures, each records the pass with
+its own nodes, FLOPs and time.
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ import os
 import sys
 import threading
 import weakref
+from collections import deque
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -42,18 +53,30 @@ class CallSite:
 class Participant(Protocol):
     """What a capture's backward recorder offers the engine router."""
 
+    armed: bool
+
     def discover_forward(self) -> None: ...
-    def claim(self, roots: list[Any], others: list[Any]) -> bool: ...
+    def forward_node(self, node: Any) -> bool: ...
+    def owns(self, node: Any) -> bool: ...
+    def knows(self, node: Any) -> bool: ...
+    def adopt(self, nodes: list[Any]) -> None: ...
+    def upstream(self, live: list[Participant]) -> list[Participant]: ...
+    def fired_nodes(self, backward_pass: Any) -> list[Any]: ...
     def open_pass(self, run: Run) -> Any: ...
     def close_pass(self, backward_pass: Any, error: BaseException | None) -> None: ...
-    def owns_non_leaf(self, node: Any) -> bool: ...
     def run_contexts(self, run: Run) -> list[Any]: ...
     def preflight(self, backward_pass: Any) -> BaseException | None: ...
 
 
 @dataclass(eq=False)
 class Run:
-    """One engine run and the pass it opened in each participating capture."""
+    """One engine run and the pass it opened in each participating capture.
+
+    ``open``: per thread, the fire in progress, as ``[node, (participant, call
+    entry, pass), ...]`` (several captures may record the same node: a shared
+    parameter's AccumulateGrad). ``shared``: what the captures' observers share
+    for the run (one FLOP census); emptied when the run closes.
+    """
 
     trigger: str
     call_site: CallSite | None
@@ -64,6 +87,12 @@ class Run:
     task_id: int | None = None
     passes: dict[Any, Any] = field(default_factory=dict)
     closed: bool = False
+    open: dict[int, list] = field(default_factory=dict)
+    shared: dict[str, Any] = field(default_factory=dict)
+
+    def recorded_elsewhere(self, node: Any, participant: Any) -> bool:
+        """Whether another capture taking part in this run has ``node`` in its graph."""
+        return any(other is not participant and other.knows(node) for other in self.passes)
 
 
 # Weak: a capture the user dropped stops taking part (and can be collected).
@@ -71,7 +100,8 @@ _participants: list[weakref.ref] = []
 _runs_by_task: dict[int, Run] = {}
 _local = threading.local()
 _lock = threading.RLock()
-
+# Called with every run's engine arguments before it starts (see run_arguments).
+_observers: list[Any] = []
 
 
 def arm(participant: Participant) -> None:
@@ -82,13 +112,35 @@ def arm(participant: Participant) -> None:
             _participants.append(weakref.ref(participant))
 
 
+def observe(observer: Any) -> None:
+    """Call ``observer(args, kwargs)`` before every engine run (installs the wrapper with the first one)."""
+    with _lock:
+        _torch.install_engine_wrapper(_make_wrapper)
+        _observers.append(observer)
+
+
+def observing(observer: Any) -> bool:
+    return observer in _observers
+
+
+def unobserve(observer: Any) -> None:
+    with _lock:
+        if observer in _observers:
+            _observers.remove(observer)
+        _uninstall_when_unused()
+
+
 def disarm(participant: Participant) -> None:
-    """Stop routing runs to ``participant``; with none left, torch's entry point is restored,
-    so a backward with no capture armed runs no backlens code."""
+    """Stop routing runs to ``participant``; with no capture armed and no observer left,
+    torch's entry point is restored, so a plain backward runs no backlens code."""
     with _lock:
         _participants[:] = [ref for ref in _participants if ref() is not None and ref() is not participant]
-        if not _participants:
-            _torch.uninstall_engine_wrapper()
+        _uninstall_when_unused()
+
+
+def _uninstall_when_unused() -> None:
+    if not _participants and not _observers:
+        _torch.uninstall_engine_wrapper()
 
 
 def _live_participants() -> list[Participant]:
@@ -112,6 +164,8 @@ def set_trigger_override(name: str | None) -> None:
 
 def _make_wrapper(original):
     def run_engine(t_outputs, *args, **kwargs):
+        if _observers:
+            _notify(args, kwargs)
         if not _participants:
             return original(t_outputs, *args, **kwargs)
         run = _open_explicit_run(t_outputs, args, kwargs)
@@ -148,6 +202,19 @@ def _make_wrapper(original):
     return run_engine
 
 
+def _notify(args, kwargs) -> None:
+    for observer in list(_observers):
+        observer(args, kwargs)
+
+
+def run_arguments(args, kwargs) -> tuple[bool, bool]:
+    """``(accumulates into .grad, retains the graph)`` for an engine run's arguments."""
+    retain = _arg(args, kwargs, 1, "retain_graph", None)
+    create = bool(_arg(args, kwargs, 2, "create_graph", False))
+    accumulate = bool(_arg(args, kwargs, 5, "accumulate_grad", True))
+    return accumulate, bool(retain) if retain is not None else create
+
+
 def _forget(run: Run, pending: list[Run]) -> None:
     if run in pending:
         pending.remove(run)
@@ -159,17 +226,22 @@ def _forget(run: Run, pending: list[Run]) -> None:
 def _open_explicit_run(t_outputs, args, kwargs) -> Run | None:
     if isinstance(t_outputs, (torch.Tensor, torch.autograd.graph.GradientEdge)):
         t_outputs = (t_outputs,)
+    inputs = _arg(args, kwargs, 3, "inputs", None)
     roots = root_nodes(t_outputs)
     with _lock:
         live = _live_participants()
         for participant in live:
             participant.discover_forward()
-        participants = [p for p in live if p.claim(roots, [q for q in live if q is not p])]
-    if not participants:
+        # With ``inputs`` the engine runs only the nodes on paths to them: a capture
+        # upstream of the ones reached joins when one of its nodes fires (pass_for).
+        claims = claim(roots, live, follow_upstream=not inputs)
+        for participant, found in claims.items():
+            if found:
+                participant.adopt(found)
+    if not claims:
         return None
     retain_graph = _arg(args, kwargs, 1, "retain_graph", None)
     create_graph = bool(_arg(args, kwargs, 2, "create_graph", False))
-    inputs = _arg(args, kwargs, 3, "inputs", None)
     accumulate = _arg(args, kwargs, 5, "accumulate_grad", True)
     override = getattr(_local, "trigger_override", None)
     trigger = override or _trigger_name(accumulate)
@@ -182,13 +254,101 @@ def _open_explicit_run(t_outputs, args, kwargs) -> Run | None:
         inputs=tuple(inputs) if inputs else None,
     )
     try:
-        for participant in participants:
+        for participant in claims:
             run.passes[participant] = participant.open_pass(run)
     except BaseException as exc:
         failure = exc
         complete(lambda: close_run(run, failure))  # the passes opened so far do not stay "running"
         raise
     return run
+
+
+def claim(roots: list[Any], live: list[Participant], *, follow_upstream: bool = True) -> dict[Participant, list[Any]]:
+    """The captures a run from ``roots`` belongs to, each with the new nodes it takes.
+
+    One walk from the roots stops at nodes the live captures' forwards made
+    (their AccumulateGrad nodes never stop it or decide anything); the captures
+    reached are claimed, then (``follow_upstream``) the captures their graphs
+    feed. Each node the walk found that no capture knows yet (the loss) goes to
+    the first armed capture it leads to; a node leading to none goes with the
+    node that led the walk to it.
+    """
+    owner_of: dict[Any, Participant] = {}
+    walked: list[Any] = []
+    led_by: dict[Any, Any] = {}
+    seen: set[Any] = set()
+    queue = deque((root, None) for root in roots)
+    while queue:
+        node, parent = queue.popleft()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        owner = next((p for p in live if p.forward_node(node)), None)
+        if owner is not None:
+            owner_of[node] = owner
+            continue
+        walked.append(node)
+        led_by[node] = parent
+        queue.extend((child, node) for child, _ in node.next_functions)
+    if not owner_of:
+        return {}
+    reached = set(owner_of.values())
+    claimed = [p for p in live if p in reached]
+    if follow_upstream:
+        for participant in claimed:  # grows as it goes: the captures a claimed one feeds
+            claimed.extend(q for q in participant.upstream(live) if q not in claimed)
+    claims: dict[Participant, list[Any]] = {p: [] for p in live if p in claimed}
+    leads = _leads(walked, owner_of)
+    assigned: dict[Any, Participant] = {}
+    for node in walked:
+        targets = leads[node]
+        owner = next((p for p in live if p in targets), None) if targets else assigned.get(led_by[node])
+        owner = owner or claimed[0]
+        assigned[node] = owner
+        if not any(p.knows(node) for p in live):
+            claims[owner].append(node)
+    return claims
+
+
+def _leads(walked: list[Any], owner_of: dict[Any, Participant]) -> dict[Any, set]:
+    """For each walked node, the captures whose forward nodes it leads to (depth first, no recursion)."""
+    inside = set(walked)
+    leads: dict[Any, set] = {}
+    for start in walked:
+        if start in leads:
+            continue
+        stack = [(start, False)]
+        while stack:
+            node, children_done = stack.pop()
+            if node in leads:
+                continue
+            if not children_done:
+                stack.append((node, True))
+                stack.extend((child, False) for child, _ in node.next_functions
+                             if child is not None and child in inside and child not in leads)
+                continue
+            targets: set = set()
+            for child, _ in node.next_functions:
+                if child is None:
+                    continue
+                if child in inside:
+                    targets |= leads.get(child, set())
+                elif child in owner_of:
+                    targets.add(owner_of[child])
+            leads[node] = targets
+    return leads
+
+
+def reaches(participant: Participant, tensors: Any) -> bool:
+    """Whether a backward from ``tensors`` would be ``participant``'s pass (ownership above)."""
+    if isinstance(tensors, (torch.Tensor, torch.autograd.graph.GradientEdge)):
+        tensors = (tensors,)
+    roots = root_nodes(tensors)
+    with _lock:
+        live = _live_participants()
+        for other in live:
+            other.discover_forward()
+        return participant in claim(roots, live)
 
 
 def _arg(args, kwargs, position: int, name: str, default):
@@ -227,16 +387,30 @@ def close_run(run: Run, error: BaseException | None, result: Any = None) -> Base
     if run.closed:
         return error
     raised = error
-    # Each pass keeps its run; the run need not keep its passes (no cycle to collect).
-    while run.passes:
-        participant, backward_pass = next(iter(run.passes.items()))
+    for participant, backward_pass in list(run.passes.items()):
         backward_pass.result = result
         translated = participant.close_pass(backward_pass, error)  # closing twice is a no-op
-        run.passes.pop(participant, None)
         if translated is not None and raised is error:
             raised = translated
+    _count_other_capture_nodes(run)
+    # Each pass keeps its run; the run need not keep its passes (no cycle to collect),
+    # nor what observers shared (a census holds the nodes that ran).
+    run.passes.clear()
+    run.shared.clear()
+    run.open.clear()
     run.closed = True
     return raised
+
+
+def _count_other_capture_nodes(run: Run) -> None:
+    """Each pass's ``other_capture_nodes``: the nodes that fired in the run for the other
+    captures taking part, outside its own graph."""
+    if len(run.passes) < 2:
+        return
+    fired = {participant: participant.fired_nodes(p) for participant, p in run.passes.items()}
+    for participant, backward_pass in run.passes.items():
+        others = {node for other, nodes in fired.items() if other is not participant for node in nodes}
+        backward_pass.other_capture_nodes = sum(1 for node in others if not participant.knows(node))
 
 
 def pass_for(participant: Participant, task_id: int, node: Any) -> Any:
@@ -255,8 +429,8 @@ def pass_for(participant: Participant, task_id: int, node: Any) -> Any:
                     run = pending
                     break
         if run is None:
-            if not participant.owns_non_leaf(node):
-                return None  # a shared parameter's node in a run that is not ours
+            if not participant.owns(node):
+                return None  # a leaf's or a shared parameter's node in a run that is not ours
             run = Run(
                 trigger="implicit",
                 call_site=None,
@@ -268,7 +442,7 @@ def pass_for(participant: Participant, task_id: int, node: Any) -> Any:
             _runs_by_task[task_id] = run
             _torch.queue_engine_callback(lambda: _close_implicit(run))
         found = run.passes.get(participant)
-        if found is None and participant.owns_non_leaf(node):
+        if found is None and not run.closed and participant.owns(node):
             # Our graph, reached only through another capture's: join the run.
             found = run.passes[participant] = participant.open_pass(run)
         return found

@@ -5,6 +5,9 @@
   ``Backward<digits>`` suffix, lowercased; ``k`` counts nodes of that type,
   ``n`` counts all nodes.
 * call: ``{node label}:{c}``, the c-th fire of that node.
+* module: its address (``encoder.layer.0``) names the module and all its calls;
+  ``encoder.layer.0:2`` its second call (1-based). A module call's label is its
+  address when the module ran once, else ``{address}:{k}``.
 * parameter: ``{module address}.{name}``; the root module's address is ``""``.
 """
 
@@ -64,8 +67,20 @@ def node_label(type_name: str, k: int, n: int) -> str:
     return f"{node_type_stem(type_name)}_back_{k}_{n}"
 
 
-def call_label(node_label_: str, c: int) -> str:
-    return f"{node_label_}:{c}"
+def call_label(name: str, c: int) -> str:
+    """The c-th call of a node or module: ``{name}:{c}``."""
+    return f"{name}:{c}"
+
+
+_CALL_SUFFIX = re.compile(r"^(?P<name>.*):(?P<call>\d+)$")
+
+
+def split_call(name: str) -> tuple[str, int | None]:
+    """``"encoder.layer.0:2"`` -> ``("encoder.layer.0", 2)``; no suffix -> ``(name, None)``."""
+    found = _CALL_SUFFIX.match(name)
+    if found is None:
+        return name, None
+    return found["name"], int(found["call"])
 
 
 def owning_module(param_name: str) -> str:

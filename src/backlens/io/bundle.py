@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from backlens._distributed import expand_rank
 from backlens._progress import LARGE_BYTES, progress, progress_shown
 from backlens.capture.state import CaptureState
 from backlens.capture.store import MemoryStore
@@ -67,6 +68,8 @@ def save_state(state: CaptureState, path: str | os.PathLike | None = None, *, ov
     ``dir``): the manifest is then written into ``dir`` beside the shards
     already there, which makes it a bundle.
     """
+    if path is not None:
+        path = expand_rank(path)  # "run/rank{rank}": this process's rank, as bl.to_disk does
     store = state.store
     if isinstance(store, DiskStore) and (path is None or _same_path(path, store.path)):
         store.finish(state)

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from backlens._distributed import expand_rank
 from backlens._warn import warn
 from backlens.capture.store import MemoryStore
 from backlens.errors import BundleError, UnsupportedInputError
@@ -45,6 +46,8 @@ def to_disk(path: str | os.PathLike, *, shard_bytes: int = DEFAULT_SHARD_BYTES,
             overwrite: bool = False) -> DiskSpec:
     """Stream saved tensors into a bundle at ``path`` instead of keeping them in memory.
 
+    A literal ``{rank}`` in ``path`` becomes the capturing process's rank under
+    ``torch.distributed`` (``"run/rank{rank}"``: one bundle per rank; 0 outside it).
     ``path`` must not exist, or be an empty directory; ``overwrite=True`` also
     replaces an earlier bundle there (never any other directory), once the new
     one is finished. At most ``shard_bytes`` of gradients wait in memory before
@@ -141,7 +144,7 @@ class DiskStore:
 
     def __init__(self, spec: DiskSpec):
         # Absolute, so the manifest lands beside the shards even if the cwd changes.
-        self.path = Path(os.path.abspath(spec.path))
+        self.path = Path(os.path.abspath(expand_rank(spec.path)))
         self.staging: Staging | None = None
         self.failure: BaseException | None = None
         self.finished_manifests = 0

@@ -3,14 +3,18 @@
 Layout (``FORMAT_VERSION`` 2; the sections and their fields are io/schema.py's)::
 
     format, format_version, backlens_version, torch_version, created
-    capture, sources, module_types        flags of the capture; the tensors that existed
+    capture, sources, module_types        flags of the capture (rank and world_size under
+                                          torch.distributed, else null); the tensors that existed
                                           before the forward; module types by address
     ops, modules, params, inputs,         one object per entry of the state, with exactly
-    grad_fns, calls, passes               the fields its schema names; relations by position
+    grad_fns, calls, passes,              the fields its schema names; relations by position
+    collectives
     grad_slots                            which node output holds each op's, module call's,
                                           parameter's and input's gradient
     forward_edits                         the activation edits applied in the forward
     cost                                  the cost journal (FLOPs per op and per pass), or null
+    checkpoints                           each torch.utils.checkpoint invocation and its
+                                          recomputations, with the verdict's reasons, or null
     tensors                               files: {name: {bytes, sha256}}; index: {tensor name:
                                           {file, dtype, shape, offsets, sha256}}
     checksum                              sha256 of the canonical JSON of everything above

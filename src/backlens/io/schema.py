@@ -25,7 +25,15 @@ from backlens.capture.forward import ModuleCallEntry, OpEntry
 from backlens.capture.interventions import EditApplication
 from backlens.capture.policy import GradPolicy
 from backlens.capture.slots import GradSlots
-from backlens.capture.state import CallEntry, CaptureState, InputEntry, ParamEntry, PassEntry
+from backlens.capture.state import (
+    CallEntry,
+    CaptureState,
+    CollectiveEntry,
+    InputEntry,
+    ParamEntry,
+    PassEntry,
+)
+from backlens.cost.checkpoints import CheckpointEntry, CheckpointJournal, RecomputeEntry
 from backlens.cost.journal import FORMAT_VERSION as COST_FORMAT_VERSION
 from backlens.cost.journal import CostJournal
 from backlens.graph.engine import CallSite
@@ -312,8 +320,30 @@ def _module_call_entry(position: int, **fields: Any) -> ModuleCallEntry:
     return ModuleCallEntry(index=position, **fields)
 
 
+def _collective_entry(_position: int, params: list, modules: list, **fields: Any) -> CollectiveEntry:
+    start, end = fields["start_ns"], fields["end_ns"]
+    _expect(end is None or start <= end, f"end_ns >= start_ns ({start})", end)
+    return CollectiveEntry(params=tuple(params), modules=tuple(modules), **fields)
+
+
+def _capture_flags(_position: int, **fields: Any) -> dict[str, Any]:
+    rank, world_size = fields["rank"], fields["world_size"]
+    _expect((rank is None) == (world_size is None), "rank and world_size both set or both null", [rank, world_size])
+    _expect(rank is None or rank < world_size, f"a rank below world_size ({world_size})", rank)
+    return fields
+
+
+def _checkpoint_entry(_position: int, **fields: Any) -> CheckpointEntry:
+    start, end = fields["op_start"], fields["op_end"]
+    _expect(start <= end, f"op_end >= op_start ({start})", end)
+    _expect((fields["packed"] is None) == fields["reentrant"], "packed null exactly for a reentrant checkpoint",
+            fields["packed"])
+    return CheckpointEntry(**fields)
+
+
 PASS_STATUSES = ("running", "ok", "failed", "recording_failed")
 SOURCE_KINDS = ("input", "param", "buffer")
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 
 EDIT = Schema({"site": STR, "edit": STR, "op": optional(STR), "module": optional(STR),
                "pass_number": optional(number("passes")), "norm_before": FLOAT, "norm_after": FLOAT},
@@ -322,14 +352,14 @@ OP = Schema({"name": STR, "label": STR, "module_call": optional(ref("modules")),
              "dtype": optional(DTYPE), "num_outputs": NAT, "parents": list_of(ref("ops")),
              "sources": list_of(ref("sources")), "output_nr": NAT, "inplace": BOOL, "activation": optional(TENSOR)},
             _op_entry)
-MODULE_CALL = Schema({"address": STR, "module_address": STR, "call_number": POSITIVE,
+MODULE_CALL = Schema({"address": STR, "call": POSITIVE,
                       "parent": optional(ref("modules")), "op_start": upto("ops"), "op_end": optional(upto("ops")),
-                      "output_shape": optional(SHAPE), "output_nr": NAT},
+                      "output_shape": optional(SHAPE), "output_nr": NAT, "output_tracked": BOOL},
                      _module_call_entry)
 PARAM = Schema({"name": STR, "shape": SHAPE, "dtype": DTYPE, "requires_grad": BOOL, "grad": optional(TENSOR)},
                lambda _at, grad, **f: ParamEntry(saved_grad=grad, **f),
                lambda p: {"name": p.name, "shape": p.shape, "dtype": p.dtype, "requires_grad": p.requires_grad,
-                          "grad": p.grad})
+                          "grad": _local(p.grad)})
 INPUT = Schema({"name": STR, "shape": SHAPE, "dtype": DTYPE, "requires_grad": BOOL, "was_parameter": BOOL},
                lambda _at, **f: InputEntry(**f))
 NODE = Schema({"label": STR, "type": STR, "sequence_nr": optional(NAT), "op": optional(ref("ops")),
@@ -338,17 +368,21 @@ NODE = Schema({"label": STR, "type": STR, "sequence_nr": optional(NAT), "op": op
                "source": optional(ref("sources"))},
               lambda at, **f: NodeEntry(index=at, **f))
 CALL = Schema({"node": ref("grad_fns"), "pass_number": number("passes"), "ordinal": POSITIVE,
-               "start_ns": optional(NAT), "end_ns": NAT, "hook_ns": NAT, "grad_inputs": optional(SIDE),
-               "grad_outputs": optional(SIDE), "flops": optional(NAT), "recompute_flops": optional(NAT)},
+               "start_ns": optional(NAT), "end_ns": NAT, "hook_ns": NAT, "wait_ns": NAT,
+               "grad_inputs": optional(SIDE), "grad_outputs": optional(SIDE), "flops": optional(NAT),
+               "recompute_flops": optional(NAT)},
               lambda _at, **f: CallEntry(**f))
 PASS = Schema({"number": POSITIVE, "trigger": STR, "call_site": optional(CALL_SITE), "retain_graph": optional(BOOL),
                "create_graph": BOOL, "policy": POLICY, "start_ns": NAT, "status": one_of(*PASS_STATUSES),
                "error": optional(ERROR), "end_ns": optional(NAT), "orders": list_of(POSITIVE),
-               "order_coverage": optional(FRACTION), "edits": entries(EDIT)},
+               "order_coverage": FRACTION, "other_capture_nodes": NAT, "edits": entries(EDIT)},
               _pass_entry)
+COLLECTIVE = Schema({"pass_number": number("passes"), "kind": one_of(*COLLECTIVE_KINDS), "bytes": NAT,
+                     "start_ns": NAT, "end_ns": optional(NAT), "params": list_of(STR), "modules": list_of(STR)},
+                    _collective_entry)
 CAPTURE = Schema({"inference_only": BOOL, "backward_requested": BOOL, "flops_enabled": BOOL,
-                  "inference_cause": optional(STR)},
-                 lambda _at, **f: f)
+                  "inference_cause": optional(STR), "rank": optional(NAT), "world_size": optional(POSITIVE)},
+                 _capture_flags)
 SOURCES = Schema({"kinds": list_of(one_of(*SOURCE_KINDS)), "names": list_of(STR)},
                  lambda _at, **f: f,
                  lambda journal: {"kinds": journal.source_kinds, "names": journal.source_names})
@@ -359,17 +393,61 @@ SLOTS = Schema({"ops": list_of(row(ref("ops"), ref("grad_fns"))),
                 "extra_input_grads": list_of(row(ref("inputs"), TENSOR, number("passes")))},
                lambda _at, **f: f,
                lambda fields: fields)
+RECOMPUTE = Schema({"pass_number": number("passes"), "call": optional(ref("calls")),
+                   "recompute_flops": optional(NAT), "duration_ns": optional(NAT)},
+                  lambda _at, **f: RecomputeEntry(**f))
+CHECKPOINT = Schema({"module_call": optional(ref("modules")), "op_start": upto("ops"), "op_end": upto("ops"),
+                     "packed": optional(NAT), "reentrant": BOOL, "recomputed": entries(RECOMPUTE)},
+                    _checkpoint_entry,
+                    # a recomputation whose pass still runs has no call position yet: not written
+                    lambda e: {"module_call": e.module_call, "op_start": e.op_start, "op_end": e.op_end,
+                               "packed": e.packed, "reentrant": e.reentrant,
+                               "recomputed": [r for r in e.recomputed if r.call_entry is None]})
+CHECKPOINTS = Schema({"entries": entries(CHECKPOINT), "reasons": list_of(STR)},
+                     lambda _at, **f: CheckpointJournal(**f))
+
+
+def _local(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """A sharded (DTensor) gradient is saved as this rank's shard."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
+
 
 # The cost journal (cost/journal.py): plain data, read back field by field.
 FORWARD_FAILURE = Schema({"op_index": ref("ops"), "func": STR, "error": STR}, lambda _at, **f: f)
 FORWARD_COST = Schema({"op_flops": list_of(optional(NAT)), "replay_failures": entries(FORWARD_FAILURE)},
                       lambda _at, **f: f)
 UNATTRIBUTED_OP = Schema({"op": STR, "under": optional(STR), "calls": NAT, "flops": NAT}, lambda _at, **f: f)
+
+
+def _aten_columns(_position: int, **columns: Any) -> dict[str, list]:
+    calls = len(columns["op"])
+    _expect(all(len(column) == calls for column in columns.values() if column is not columns["names"]),
+            f"op, call, flops and grad_enabled of one length ({calls})", {k: len(v) for k, v in columns.items()})
+    names = len(columns["names"])
+    _expect(all(op < names for op in columns["op"]), f"op indices into names (0..{names - 1})", columns["op"])
+    return columns
+
+
+# A pass's ATen calls, as columns (cost/aten_ops.py).
+ATEN_OPS = Schema({"names": list_of(STR), "op": list_of(NAT), "call": list_of(optional(ref("calls"))),
+                   "flops": list_of(NAT), "grad_enabled": list_of(BOOL)},
+                  _aten_columns)
+
+
+def _pass_cost(_position: int, **fields: Any) -> dict[str, Any]:
+    aten_ops, aten_calls = fields["aten_ops"], fields["aten_calls"]
+    _expect(aten_ops is None or aten_calls == len(aten_ops["op"]), "aten_calls equal to the ATen calls listed",
+            aten_calls)
+    return fields
+
+
 PASS_COST = Schema({"pass": number("passes"), "counted": BOOL, "reason": optional(STR),
                     "executed_flops": optional(NAT), "unattributed_flops": optional(NAT),
                     "unattributed_ops": entries(UNATTRIBUTED_OP), "recompute_known": BOOL,
-                    "recompute_flops": optional(NAT), "attributed": BOOL, "aten_calls": optional(NAT)},
-                   lambda _at, **f: f)
+                    "recompute_flops": optional(NAT), "attributed": BOOL, "aten_calls": optional(NAT),
+                    "aten_ops": optional(one(ATEN_OPS))},
+                   _pass_cost)
 COST_JOURNAL = Schema({"version": one_of_int(COST_FORMAT_VERSION), "forward": optional(one(FORWARD_COST)),
                        "passes": entries(PASS_COST)},
                       lambda _at, **f: f)
@@ -462,9 +540,11 @@ SECTIONS: dict[str, Kind] = {
     "grad_fns": entries(NODE),
     "calls": entries(CALL),
     "passes": entries(PASS),
+    "collectives": entries(COLLECTIVE),
     "grad_slots": one(SLOTS),
     "forward_edits": entries(EDIT),
     "cost": optional(COST),
+    "checkpoints": optional(one(CHECKPOINTS)),
 }
 
 
@@ -484,6 +564,7 @@ def encode_state(state: CaptureState, refs: Any) -> dict[str, Any]:
         "grad_fns": nodes,
         "calls": state.calls,
         "passes": state.passes,
+        "collectives": state.collectives,
         "grad_slots": {
             "ops": sorted(slots.op.items()),
             "modules": sorted(slots.module.items()),
@@ -493,6 +574,7 @@ def encode_state(state: CaptureState, refs: Any) -> dict[str, Any]:
         },
         "forward_edits": state.forward_edits,
         "cost": state.cost,
+        "checkpoints": state.checkpoints,
     }
     return {name: kind.write(values[name], refs) for name, kind in SECTIONS.items()}
 
@@ -515,6 +597,7 @@ def decode_state(body: dict[str, Any], ctx: Any, store: Any) -> CaptureState:
     state.table = NodeTable.restored(sections["grad_fns"])
     state.params, state.inputs = sections["params"], sections["inputs"]
     state.calls, state.passes = sections["calls"], sections["passes"]
+    state.collectives = sections["collectives"]
     state.node_calls.extend([] for _ in state.table.types)
     for position, call in enumerate(state.calls):
         state.node_calls[call.node].append(position)
@@ -525,4 +608,24 @@ def decode_state(body: dict[str, Any], ctx: Any, store: Any) -> CaptureState:
     state.extra_input_grads = list(slots["extra_input_grads"])
     state.forward_edits = sections["forward_edits"]
     state.cost = sections["cost"]
+    state.checkpoints = sections["checkpoints"]
+    _check_calls_in_their_passes(state)
     return state
+
+
+def _check_calls_in_their_passes(state: CaptureState) -> None:
+    """A node call named by a pass's ATen census or a recomputation is a call of that pass."""
+    calls = state.calls
+
+    def check(where: str, number: int, positions: Any) -> None:
+        for position in positions:
+            if position is not None and calls[position].pass_number != number:
+                raise ValueError(f"{where}: call {position} is a call of pass {calls[position].pass_number}, "
+                                 f"not of pass {number}")
+
+    for at, pass_cost in enumerate(state.cost.passes if state.cost is not None else ()):
+        if pass_cost["aten_ops"] is not None:
+            check(f"cost: passes: [{at}] aten_ops: call", pass_cost["pass"], pass_cost["aten_ops"]["call"])
+    for at, entry in enumerate(state.checkpoints.entries if state.checkpoints is not None else ()):
+        for recompute in entry.recomputed:
+            check(f"checkpoints: entries: [{at}] recomputed", recompute.pass_number, [recompute.call])

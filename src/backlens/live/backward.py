@@ -1,27 +1,30 @@
 """``with t.backward(...):`` — a body that runs during the real backward.
 
 ``Tensor.backward`` is patched once, at import of :mod:`backlens.live`. The
-patch looks at the caller's bytecode: when the call's result goes straight
-into a ``with`` statement it returns a :class:`BackwardBlock`; otherwise it
-calls torch's own ``Tensor.backward`` with the same arguments, so a plain
-``t.backward()`` keeps its stock return, effect and errors. (Inside a trace a
-plain call also warns once that intermediate ``.grad`` stays ``None``, and a
-freed shared graph is explained in invoke terms.)
+patch asks the caller's source whether the call is the expression of a
+``with`` statement (:func:`~backlens.live.source.with_item_at`); then it
+returns a :class:`BackwardBlock`; otherwise it calls torch's own
+``Tensor.backward`` with the same arguments, so a plain ``t.backward()`` keeps
+its stock return, effect and errors. (Inside a trace a plain call also warns
+once that intermediate ``.grad`` stays ``None``, and a freed shared graph is
+explained in the trace's terms.)
 
 Inside a backward block, ``h.grad`` is the gradient flowing into ``h`` as it
 arrives: the first read registers a tensor hook on ``h`` (on the batched
 tensor and cut to the invoke's rows, when ``h`` came from a lens) and waits
 for the engine to reach it; ``h.grad = g`` makes that hook return ``g``
-instead. ``Tensor.grad`` is replaced by a property only while a block runs,
-and only the block's own thread sees the difference.
+instead. The engine runs in the caller's thread, single-threaded for devices
+too, so its hooks switch to the body right there. The body's own ``x.grad``
+(as it is spelled in the block, its comprehensions and functions) is compiled
+to go through the running backward; ``Tensor`` itself is never patched, so
+``.grad`` read anywhere else keeps its stock meaning.
 """
 
 from __future__ import annotations
 
-import dis
 import functools
+import operator
 import sys
-import threading
 import types
 import warnings
 from dataclasses import dataclass
@@ -29,7 +32,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from backlens import _torch
 from backlens.errors import (
     BacklensError,
     BacklensWarning,
@@ -38,14 +40,17 @@ from backlens.errors import (
     OutOfOrderError,
     TraceError,
 )
+from backlens.live import compiler
 from backlens.live import rows as rows_mod
+from backlens.live.compiler import CompiledBody, compile_body
 from backlens.live.context import Block, current_block, saved_names
-from backlens.live.freed import BackwardCall, freed_graph_error, is_freed_graph
+from backlens.live.freed import BackwardCall, freed_graph_error, is_freed_graph, recording_own
 from backlens.live.gradpath import GraphIndex
-from backlens.live.mediator import CallerState, Event, Mediator, StopRun
+from backlens.live.mediator import Event, Mediator, StopRun, getcurrent
 from backlens.live.naming import Label, Site, describe
-from backlens.live.source import BlockSource, compile_body
-from backlens.live.withbody import WithBody
+from backlens.live.source import BlockSource, with_item_at
+from backlens.live.torchstate import CallerState, single_threaded_engine
+from backlens.live.withbody import WithBody, refusal
 
 if TYPE_CHECKING:
     from backlens.live.forward import ForwardRun
@@ -53,107 +58,64 @@ if TYPE_CHECKING:
 
 
 # ---------------------------------------------------------------------------
-# Is the call's result used as a context manager?
-
-_CACHE_OP = dis.opmap.get("CACHE")
-_WITH_OPS = {dis.opmap[name] for name in ("BEFORE_WITH", "SETUP_WITH", "SETUP_ASYNC_WITH") if name in dis.opmap}
-_COPY_OP = dis.opmap.get("COPY")
-_LOAD_SPECIAL_OP = dis.opmap.get("LOAD_SPECIAL")
-_enters_with: dict[tuple[int, int], tuple[types.CodeType, bool]] = {}
+# `.grad` as a backward block's body spells it (see compiler.GRAD_HELPERS)
 
 
-def result_enters_with(frame: types.FrameType) -> bool:
-    """True when the call ``frame`` is making is the expression of a ``with``.
-
-    ``frame.f_lasti`` is the calling instruction (3.11 reports its last
-    inline CACHE entry); the next real instruction is ``BEFORE_WITH``
-    (3.11-3.13) or ``SETUP_WITH`` (3.10), or ``COPY; LOAD_SPECIAL`` (3.14).
-    Cached per code object and offset: one dict lookup per call.
-    """
-    code = frame.f_code
-    # Keyed by id (hashing a code object hashes its bytecode); the code object
-    # is kept in the value, so its id cannot be reused while cached.
-    hit = _enters_with.get((id(code), frame.f_lasti))
-    if hit is not None and hit[0] is code:
-        return hit[1]
-    found = _scan(code.co_code, frame.f_lasti)
-    if len(_enters_with) > 10_000:
-        _enters_with.clear()
-    _enters_with[(id(code), frame.f_lasti)] = (code, found)
-    return found
+def _served(value: Any) -> BackwardRun | None:
+    """The backward run serving ``value``'s gradient: the running block's, for a tensor."""
+    if isinstance(value, torch.Tensor):
+        block = current_block()
+        if block is not None and block.kind == "backward":
+            return block.backward
+    return None
 
 
-def _scan(code: bytes, lasti: int) -> bool:
-    i = lasti
-    if i < 0 or i >= len(code):
-        return False
-    if _CACHE_OP is None or code[i] != _CACHE_OP:
-        i += 2  # step over the call itself
-    while _CACHE_OP is not None and i < len(code) and code[i] == _CACHE_OP:
-        i += 2
-    if i >= len(code):
-        return False
-    if code[i] in _WITH_OPS:
-        return True
-    return (
-        _LOAD_SPECIAL_OP is not None
-        and code[i] == _COPY_OP
-        and i + 2 < len(code)
-        and code[i + 2] == _LOAD_SPECIAL_OP
-    )
+def _grad_of(value: Any) -> Any:
+    run = _served(value)
+    if run is not None:
+        return run.read_grad(value, sys._getframe(1))
+    return value.grad
 
 
-# ---------------------------------------------------------------------------
-# Tensor.grad, while backward blocks run
-
-_STOCK_GRAD = _torch.tensor_grad_descriptor()
-_grad_lock = threading.Lock()
-_grad_users = 0
-
-
-def _grad_get(self: torch.Tensor) -> Any:
-    block = current_block()
-    if block is not None and block.backward is not None and block.kind == "backward":
-        return block.backward.read_grad(self, sys._getframe(1))
-    return _STOCK_GRAD.__get__(self, type(self))
+def _set_grad_of(value: Any, grad: Any) -> None:
+    run = _served(value)
+    if run is not None:
+        run.write_grad(value, grad, sys._getframe(1))
+    else:
+        value.grad = grad
 
 
-def _grad_set(self: torch.Tensor, value: Any) -> None:
-    block = current_block()
-    if block is not None and block.backward is not None and block.kind == "backward":
-        block.backward.write_grad(self, value, sys._getframe(1))
+_OPERATORS = {
+    "Add": "add", "Sub": "sub", "Mult": "mul", "MatMult": "matmul", "Div": "truediv",
+    "FloorDiv": "floordiv", "Mod": "mod", "Pow": "pow", "LShift": "lshift", "RShift": "rshift",
+    "BitOr": "or_", "BitXor": "xor", "BitAnd": "and_",
+}  # fmt: skip
+_IN_PLACE = {op: getattr(operator, "i" + name.rstrip("_")) for op, name in _OPERATORS.items()}
+_OUT_OF_PLACE = {op: getattr(operator, name) for op, name in _OPERATORS.items()}
+
+
+def _aug_grad_of(value: Any, op: str, operand: Any) -> None:
+    run = _served(value)
+    if run is None:
+        value.grad = _IN_PLACE[op](value.grad, operand)
         return
-    _STOCK_GRAD.__set__(self, value)
+    # Out of place: the served gradient is autograd's own buffer (or a view of it).
+    frame = sys._getframe(1)
+    run.write_grad(value, _OUT_OF_PLACE[op](run.read_grad(value, frame), operand), frame)
 
 
-def _grad_delete(self: torch.Tensor) -> None:
-    _STOCK_GRAD.__delete__(self)
+def _del_grad_of(value: Any) -> None:
+    del value.grad
 
 
-_GRAD_PROPERTY = property(_grad_get, _grad_set, _grad_delete, getattr(_STOCK_GRAD, "__doc__", None))
-
-
-def _grad_acquire() -> None:
-    global _grad_users
-    if _STOCK_GRAD is None:
-        raise TraceError(
-            "this torch keeps Tensor.grad where backlens cannot find it, so .grad cannot be "
-            "served inside a backward block (capability HAS_TENSOR_GRAD_DESCRIPTOR is off).",
-            code="capability_missing",
-            remedy="Read gradients with tensor.register_hook instead, or use a torch version bl.doctor() accepts.",
-        )
-    with _grad_lock:
-        if _grad_users == 0:
-            torch.Tensor.grad = _GRAD_PROPERTY  # type: ignore[method-assign,assignment]
-        _grad_users += 1
-
-
-def _grad_release() -> None:
-    global _grad_users
-    with _grad_lock:
-        _grad_users -= 1
-        if _grad_users == 0 and torch.Tensor.__dict__.get("grad") is _GRAD_PROPERTY:
-            del torch.Tensor.grad  # back to torch's own descriptor
+compiler.GRAD_HELPERS.update(
+    {
+        "__backlens_grad__": _grad_of,
+        "__backlens_set_grad__": _set_grad_of,
+        "__backlens_aug_grad__": _aug_grad_of,
+        "__backlens_del_grad__": _del_grad_of,
+    }
+)
 
 
 # ---------------------------------------------------------------------------
@@ -173,8 +135,9 @@ _stock_backward = _find_stock()
 @functools.wraps(_stock_backward)
 def _backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):  # noqa: ANN001
     frame = sys._getframe(1)
-    if result_enters_with(frame):
-        return BackwardBlock(self, gradient, retain_graph, create_graph, inputs)
+    found = with_item_at(frame, "backward", BackwardBlock._what, need_source=False)
+    if found is not None:
+        return BackwardBlock._make(self, (gradient, retain_graph, create_graph, inputs), found, frame)
     block = current_block()
     if block is None or block.tracer is None:
         return _stock_backward(self, gradient, retain_graph, create_graph, inputs)
@@ -208,21 +171,24 @@ def _bare_in_trace(tensor, block, frame, gradient, retain_graph, create_graph, i
         retain_graph = True
     invoke = block.invoke.index if block.invoke is not None else None
     kept = bool(retain_graph if retain_graph is not None else create_graph)
-    call = BackwardCall(invoke, kept, frame.f_code.co_filename, frame.f_lineno)
+    call = BackwardCall(invoke, kept, frame.f_code.co_filename, frame.f_lineno, single=tracer._single)
     return _run_engine(tracer, call, tensor, gradient, retain_graph, create_graph, inputs)
 
 
 def _run_engine(tracer: Tracer | None, call: BackwardCall, tensor, gradient, retain_graph, create_graph, inputs):  # noqa: ANN001
-    """Run torch's backward; explain a freed shared graph in invoke terms."""
+    """Run torch's backward; explain a freed shared graph in the trace's terms."""
     earlier = list(tracer._backwards) if tracer is not None else []
     if tracer is not None:
         tracer._backwards.append(call)
+    token = recording_own.set(True)
     try:
         return _stock_backward(tensor, gradient, retain_graph, create_graph, inputs)
     except RuntimeError as exc:
         if tracer is not None and is_freed_graph(exc):
             raise freed_graph_error(exc, call, earlier) from exc
         raise
+    finally:
+        recording_own.reset(token)
 
 
 # ---------------------------------------------------------------------------
@@ -233,37 +199,46 @@ class BackwardBlock(WithBody):
     """What ``t.backward(...)`` returns as the expression of a ``with``."""
 
     _what = "loss.backward()"
+    _grads = True
 
-    def __init__(self, tensor: torch.Tensor, gradient: Any, retain_graph: Any, create_graph: bool, inputs: Any):
+    def __init__(self, tensor: torch.Tensor, args: tuple[Any, ...]):
         self._tensor = tensor
-        self._args = (gradient, retain_graph, create_graph, inputs)
-        self._state: CallerState | None = None
+        self._args = args
+
+    @classmethod
+    def _make(cls, tensor: torch.Tensor, args: tuple[Any, ...], source: BlockSource | TraceError, frame: types.FrameType) -> Any:
+        """The block, or one that refuses at once (no graph to run in, a body that cannot run)."""
+        try:
+            if isinstance(source, TraceError):
+                raise source
+            if tensor.grad_fn is None and not tensor.requires_grad:
+                label = describe(tensor, current_block(), frame)
+                why = (
+                    "it is an inference tensor, made under torch.inference_mode()"
+                    if tensor.is_inference()
+                    else "the forward ran under torch.no_grad() or torch.inference_mode(), or nothing in it "
+                    "requires grad (a frozen model, or generate())"
+                )
+                raise NoGradForwardError(
+                    f"{label} carries no autograd graph, so there is no backward pass for this block to "
+                    f"run in: {why}.",
+                    remedy="Run the forward with gradients enabled (no torch.no_grad / inference_mode).",
+                )
+            block = cls(tensor, args)
+            block._prepare(source)
+        except BacklensError as err:
+            return refusal(err)
+        return block
 
     def __enter__(self) -> BackwardBlock:
-        frame = sys._getframe(1)
-        tensor = self._tensor
-        if tensor.grad_fn is None and not tensor.requires_grad:
-            label = describe(tensor, current_block(), frame)
-            why = (
-                "it is an inference tensor, made under torch.inference_mode()"
-                if tensor.is_inference()
-                else "the forward ran under torch.no_grad() or torch.inference_mode(), or nothing in it "
-                "requires grad (a frozen model, or generate())"
-            )
-            raise NoGradForwardError(
-                f"{label} carries no autograd graph, so there is no backward pass for this block to "
-                f"run in: {why}.",
-                remedy="Run the forward with gradients enabled (no torch.no_grad / inference_mode).",
-            )
-        self._state = CallerState.capture()
-        self._arm(frame)
+        self._arm(sys._getframe(1))
         return self
 
-    def _run(self, frame: types.FrameType) -> dict[str, Any]:
-        assert self._source is not None and self._state is not None
-        body, namespace = compile_body(self._source, frame, self._what)
+    def _run(self, frame: types.FrameType, state: CallerState) -> dict[str, Any]:
+        assert self._source is not None
+        body = compile_body(self._source, frame, self._what, grads=True)
         run = BackwardRun(self._tensor, self._args, current_block(), self._source, frame)
-        return run.execute(body, namespace, self._state)
+        return run.execute(body, state)
 
     def _cleanup(self) -> None:
         self._tensor = None  # type: ignore[assignment]
@@ -303,6 +278,7 @@ class BackwardRun:
         self.source = source
         self._frame = frame  # to name the loss, only if an error needs it
         self.mediator: Mediator | None = None
+        self.driver: Any = None
         self._graph: GraphIndex | None = None
         self._expect: dict[int, _Target] = {}
         self._served: dict[int, Event] = {}
@@ -314,26 +290,24 @@ class BackwardRun:
         return describe(self.tensor, self.parent, self._frame)
 
     # -- the driver -------------------------------------------------------------
-    def execute(self, body: Any, namespace: dict[str, Any], state: CallerState) -> dict[str, Any]:
+    def execute(self, body: CompiledBody, state: CallerState) -> dict[str, Any]:
         block = Block("backward", tracer=self.tracer, forward=self.forward, invoke=self.invoke, backward=self)
-        mediator = Mediator(block, body, namespace, state)
+        mediator = Mediator(block, body, state)
         self.mediator = mediator
-        plan = self._predict(namespace, body, block)
+        self.driver = getcurrent()
         error: BaseException | None = None
-        _grad_acquire()
         try:
-            if plan:
-                mediator.defer(plan)
-            else:
-                mediator.start()
+            mediator.start()
             if mediator.error is None:
                 retain = self.retain_graph
                 if self.tracer is not None and self.tracer.keep_graph:
                     retain = True
                 kept = bool(retain if retain is not None else self.create_graph)
                 invoke = self.invoke.index if self.invoke is not None else None
-                call = BackwardCall(invoke, kept, self.source.filename, self.source.with_line)
-                _run_engine(self.tracer, call, self.tensor, self.gradient, retain, self.create_graph, self.inputs)
+                single = self.tracer._single if self.tracer is not None else False
+                call = BackwardCall(invoke, kept, self.source.filename, self.source.with_line, single=single)
+                with single_threaded_engine():
+                    _run_engine(self.tracer, call, self.tensor, self.gradient, retain, self.create_graph, self.inputs)
                 self._finish()
         except StopRun:
             pass
@@ -343,8 +317,9 @@ class BackwardRun:
             for handle in self._handles:
                 handle.remove()
             self._handles.clear()
-            _grad_release()
             mediator.cancel()
+            mediator.release()
+            self.mediator = None
             self._graph = None
             self._expect.clear()
             self._served.clear()
@@ -356,42 +331,9 @@ class BackwardRun:
             raise error
         result = mediator.result or {}
         mediator.result = None
-        return saved_names(result, block, self.source.assigned)
-
-    def _predict(self, namespace: dict[str, Any], body: Any, block: Block) -> list[int]:
-        """Arm the body's leading gradient reads (``g = h.grad...``) without running it yet.
-
-        Planned only while each next tensor's gradient is certain to arrive
-        after the previous one (its node lies below it), so the plan waits
-        for them in the order the engine delivers them.
-        """
-        plan: list[int] = []
-        previous: _Target | None = None
-        for request in self.source.leading_grads:
-            tensor = namespace.get(request.name, _MISSING)
-            if tensor is _MISSING:
-                tensor = body.__globals__.get(request.name)
-            if not isinstance(tensor, torch.Tensor):
-                break
-            target = self._target(tensor, block, None)
-            key = id(target.full)
-            if key in plan:
-                break  # a second read of one gradient is served from the same event
-            try:
-                target.node = self._check_path(target)
-            except BacklensError:
-                break  # the body will ask again and raise it from its own line
-            if previous is not None and not (
-                previous.node is not None and target.node is not None and self._graph.reaches(previous.node, target.node)  # type: ignore[union-attr]
-            ):
-                break
-            self._hook(target, key)
-            plan.append(key)
-            previous = target
-        mediator = self.mediator
-        assert mediator is not None
-        mediator.inline = bool(plan) and self.source.grad_reads_only and len(plan) == len(self.source.leading_grads)
-        return plan
+        updates = saved_names(result, block, body.assigned)
+        updates.update({name: result[name] for name in body.writeback if name in result})
+        return updates
 
     def _finish(self) -> None:
         """Tell a body still waiting that its gradient never came, and why."""
@@ -422,7 +364,7 @@ class BackwardRun:
             f"requested{last}. Gradients arrive in reverse forward order, so request later layers first.",
         )
 
-    # -- what the body asks for (body thread) -----------------------------------
+    # -- what the body asks for -------------------------------------------------
     def read_grad(self, tensor: torch.Tensor, frame: types.FrameType) -> Any:
         event, target = self._event_for(tensor, frame, writing=False)
         rows = target.rows
@@ -431,7 +373,7 @@ class BackwardRun:
     def write_grad(self, tensor: torch.Tensor, value: Any, frame: types.FrameType) -> None:
         event, target = self._event_for(tensor, frame, writing=True)
         batch = self.forward.batch if self.forward is not None else 0
-        event.replace(rows_mod.put(event.value, value, target.rows, batch, target.label.grad))
+        event.replace(rows_mod.put_gradient(event.value, value, target.rows, batch, target.label.grad))
 
     def _target(self, tensor: torch.Tensor, block: Block | None, frame: types.FrameType | None) -> _Target:
         site = self.forward.site_of(tensor) if self.forward is not None else None
@@ -470,12 +412,9 @@ class BackwardRun:
         key = id(target.full)
         target.node = self._check_path(target)
         self._check_order(target)
-        self._hook(target, key)
-        return key
-
-    def _hook(self, target: _Target, key: int) -> None:
         self._expect[key] = target
         self._handles.append(target.full.register_hook(functools.partial(self._on_grad, key)))
+        return key
 
     def _check_path(self, target: _Target) -> Any:
         full = target.full
@@ -511,21 +450,16 @@ class BackwardRun:
                 f"already passed. Request {new.grad} before {old.grad}."
             )
 
-    # -- the hook (engine thread) -----------------------------------------------
+    # -- the hook (the engine, in the driver's coroutine) ---------------------------
     def _on_grad(self, key: int, grad: torch.Tensor) -> Any:
         mediator = self.mediator
-        if mediator is None or mediator.done or mediator.pending != key:
+        if mediator is None or mediator.done or mediator.pending != key or getcurrent() is not self.driver:
             return None
         event = Event(key, grad)
         # Recorded before the body runs on: its next request is checked against it.
         self._served[key] = event
         self._last = self._expect[key]
-        if mediator.hold(event):
-            return None  # a planned read: the body takes it when it runs
         mediator.serve(event)
         if mediator.error is not None:
             raise StopRun()
         return event.value if event.replaced else None
-
-
-_MISSING = object()

@@ -1,18 +1,17 @@
-"""Which block body the current thread is running, and what it saved.
+"""Which block body is running, and what it saved.
 
 A *block* is one body of user code that backlens runs itself: a trace body, an
-invoke body, or a ``with t.backward():`` body. Every thread runs at most one
-block at a time (mediator threads run exactly one), so a thread-local pointer
-is enough to know where ``save()`` registers and which trace a ``.grad`` or
-``.output`` request belongs to.
+invoke body, or a ``with t.backward():`` body. Bodies run as coroutines in the
+caller's thread, each in its own copy of the caller's ``contextvars`` context,
+so a context variable knows, per thread and per body, where ``save()``
+registers and which trace a ``.grad`` or ``.output`` request belongs to.
 """
 
 from __future__ import annotations
 
-import threading
+import contextvars
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -21,10 +20,9 @@ if TYPE_CHECKING:
     from backlens.live.mediator import Mediator
     from backlens.live.tracer import Tracer
 
-_local = threading.local()
+_current: contextvars.ContextVar[Block | None] = contextvars.ContextVar("backlens_live_block", default=None)
 
 
-@dataclass(eq=False)
 class Block:
     """One running body.
 
@@ -35,13 +33,23 @@ class Block:
     block); only names bound to these objects leave the body.
     """
 
-    kind: str
-    tracer: Tracer | None = None
-    forward: ForwardRun | None = None
-    invoke: Invoke | None = None
-    backward: BackwardRun | None = None
-    mediator: Mediator | None = None
-    saved: dict[int, Any] = field(default_factory=dict)
+    __slots__ = ("kind", "tracer", "forward", "invoke", "backward", "mediator", "saved")
+
+    def __init__(
+        self,
+        kind: str,
+        tracer: Tracer | None = None,
+        forward: ForwardRun | None = None,
+        invoke: Invoke | None = None,
+        backward: BackwardRun | None = None,
+    ):
+        self.kind = kind
+        self.tracer = tracer
+        self.forward = forward
+        self.invoke = invoke
+        self.backward = backward
+        self.mediator: Mediator | None = None
+        self.saved: dict[int, Any] = {}
 
     def keep(self, value: Any) -> None:
         self.saved[id(value)] = value
@@ -52,36 +60,34 @@ class Block:
 
 _MISSING = object()
 
-
-def current_block() -> Block | None:
-    """The block the calling thread runs, or None outside every block."""
-    return getattr(_local, "block", None)
-
-
-def set_block(block: Block | None) -> Block | None:
-    """Make ``block`` the calling thread's current block; returns the previous one."""
-    previous = getattr(_local, "block", None)
-    _local.block = block
-    return previous
+current_block = _current.get
+"""The block the calling body runs, or None outside every block."""
 
 
 @contextmanager
 def running(block: Block) -> Iterator[Block]:
-    """Make ``block`` the calling thread's current block for the duration."""
-    previous = getattr(_local, "block", None)
-    _local.block = block
+    """Make ``block`` the current block for the duration."""
+    token = _current.set(block)
     try:
         yield block
     finally:
-        _local.block = previous
+        _current.reset(token)
+
+
+def enter_block(block: Block) -> contextvars.Token[Block | None]:
+    return _current.set(block)
+
+
+def leave_block(token: contextvars.Token[Block | None]) -> None:
+    _current.reset(token)
 
 
 def saved_names(final_locals: dict[str, Any], block: Block, assigned: frozenset[str]) -> dict[str, Any]:
     """The names the body assigned whose final values were saved in ``block``.
 
-    Saving marks an object, not a name: every name the body bound to a saved
-    object leaves with it. Names the body only read are skipped: they still
-    hold the caller's own objects.
+    Saving marks an object, not a name: every name the body bound to it leaves
+    with it. Names the body only read are skipped: they still hold the
+    caller's own objects.
     """
     return {
         name: value

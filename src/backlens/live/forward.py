@@ -1,13 +1,15 @@
 """Driving the forward: one batched model call, invoke bodies served from hooks.
 
-A :class:`ForwardRun` combines its invokes' inputs into one batch, sets up one
-mediator per invoke, and calls the model once. A process-wide module forward
-hook, acting only in this run's thread (every module call must take torch's
+A :class:`ForwardRun` combines its invokes' inputs into one batch, starts one
+mediator per invoke, and calls the model once, in the caller's thread. A
+module forward hook (one for the process while any trace runs, acting only
+for the coroutine that drives this run: every module call must take torch's
 hooked path, or a module already running when its output is requested would
-never report it), plus a pre-hook on each module whose inputs were asked for,
-hands each value a body waits for to it, cut to that invoke's rows, and writes
-back the rows the body replaced. When the model returns, any body still
-waiting is told, in module terms, what it waited for and why it never came.
+never report it), plus a pre-hook on each module whose inputs were asked
+for, hands each value a body waits for to it, cut to that invoke's rows, and
+writes back the rows the body replaced. Bodies meet at barriers here too.
+When the model returns, any body still waiting is told, in module terms, what
+it waited for and why it never came.
 """
 
 from __future__ import annotations
@@ -24,30 +26,66 @@ from torch.nn.modules.module import register_module_forward_hook
 
 from backlens.errors import TraceError
 from backlens.live import rows as rows_mod
+from backlens.live.barrier import Barrier, BarrierWait, unfilled_error
+from backlens.live.compiler import CompiledBody
 from backlens.live.context import Block, saved_names
-from backlens.live.lens import navigate
-from backlens.live.mediator import CallerState, Event, Mediator, StopRun
-from backlens.live.naming import INPUT, OUTPUT, Site, site_name
-from backlens.live.source import BlockSource
+from backlens.live.mediator import Event, Mediator, StopRun, getcurrent
+from backlens.live.naming import INPUT, OUTPUT, Site, site_name, spelled_path
+from backlens.live.skip import write_locals
+from backlens.live.torchstate import CallerState
 
 if TYPE_CHECKING:
     from backlens.live.tracer import Tracer
 
-_MISSING = object()
-
 
 @dataclass(eq=False)
 class Invoke:
-    """One invoke: its inputs, its body, and its rows of the batch."""
+    """One invoke: its inputs, its body, the torch modes where it started, and its rows of the batch."""
 
     index: int
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    body: Callable[..., dict[str, Any]]
-    namespace: dict[str, Any]
-    source: BlockSource
+    body: CompiledBody | None
+    state: CallerState
     rows: tuple[int, int] | None = None
     updates: dict[str, Any] = field(default_factory=dict)
+
+
+# -- one process-wide module hook, dispatching to the run its caller drives ----
+
+_runs: dict[Any, list[ForwardRun]] = {}
+_runs_lock = threading.Lock()
+_hook_handle: Any = None
+
+
+def _on_module_output(module: nn.Module, args: Any, output: Any) -> Any:
+    runs = _runs.get(getcurrent())
+    if runs is None:  # another thread, or a body calling a module itself
+        return None
+    return runs[-1].on_output(module, output)
+
+
+def _drive(run: ForwardRun) -> None:
+    global _hook_handle
+    with _runs_lock:
+        if _hook_handle is None:
+            # One hook instead of one per module: registering a handle per
+            # module costs more than a small model's whole forward.
+            _hook_handle = register_module_forward_hook(_on_module_output)
+        _runs.setdefault(run.driver, []).append(run)
+
+
+def _stop_driving(run: ForwardRun) -> None:
+    global _hook_handle
+    with _runs_lock:
+        runs = _runs.get(run.driver)
+        if runs and run in runs:
+            runs.remove(run)
+            if not runs:
+                del _runs[run.driver]
+        if not _runs and _hook_handle is not None:
+            _hook_handle.remove()
+            _hook_handle = None
 
 
 class ForwardRun:
@@ -59,7 +97,7 @@ class ForwardRun:
         self.state = state
         self.model: nn.Module = tracer._model
         self.batch = 0
-        self.driver: int | None = None
+        self.driver: Any = None
         self.mediators: list[Mediator] = []
         self._waiting: dict[tuple[str, nn.Module], list[Mediator]] = {}
         self._ran: dict[nn.Module, int] = {}
@@ -68,48 +106,22 @@ class ForwardRun:
         self._sites: dict[int, Site] = {}
         self._handles: list[Any] = []
         self._pre_hooked: set[nn.Module] = set()
-        self._inline = 0
+        self._arrived: dict[Barrier, list[Mediator]] = {}
+        self._injected: dict[Mediator, dict[str, Any]] = {}  # what barriers handed each body
 
-    # -- what bodies ask for ---------------------------------------------
+    # -- what bodies ask for (body side) ---------------------------------------
     def value_for(self, mediator: Mediator, module: nn.Module, address: str, kind: str) -> Event:
         """The event holding ``module``'s ``kind`` value for this mediator (waits for it)."""
         key = (kind, module)
         event = mediator.event
         if event is not None and event.key == key:
             return event
-        queued = mediator.queued
-        if queued and queued[0].key == key:
-            return queued.popleft()
-        if mediator.inline:  # runs in the driver's thread after the model's output: nothing more comes
-            self._addresses[module] = address
-            raise self._unserved(mediator, module, kind)
-        self._wait_for(mediator, key, address)
-        return mediator.request(key)
-
-    def _wait_for(self, mediator: Mediator, key: tuple[str, nn.Module], address: str) -> None:
-        kind, module = key
         self._addresses[module] = address
         if kind == INPUT and module not in self._pre_hooked:
             self._pre_hooked.add(module)
             self._handles.append(module.register_forward_pre_hook(self._on_input, with_kwargs=True))
         self._waiting.setdefault(key, []).append(mediator)
-
-    def _predict(self, invoke: Invoke) -> list[tuple[tuple[str, nn.Module], str]]:
-        """The keys the invoke's body asks for first, when nothing observable runs between them."""
-        plan = []
-        for request in invoke.source.leading_requests:
-            root = invoke.namespace.get(request.name, _MISSING)
-            if root is _MISSING:
-                root = invoke.body.__globals__.get(request.name)
-            lens = navigate(root, request.steps)
-            if lens is None or lens._lens_root is not self.tracer._lens_root_of:
-                break
-            kind = OUTPUT if request.attr == OUTPUT else INPUT
-            key = (kind, lens._lens_module)
-            if any(key == planned for planned, _ in plan):
-                break  # a second read of one value is served from the same event
-            plan.append((key, lens._lens_address))
-        return plan
+        return mediator.request(key)
 
     def site_of(self, tensor: Any) -> Site | None:
         site = self._sites.get(id(tensor))
@@ -124,75 +136,74 @@ class ForwardRun:
         return self._params.get(id(tensor))
 
     def address(self, module: nn.Module) -> str:
-        """The module's address as the user reached it (``""`` for the model itself)."""
+        """The module's path as the user reached it (``""`` for the model itself)."""
         if module is self.model:
             return ""
         found = self._addresses.get(module)
         if found is None:
-            found = next((name for name, m in self.model.named_modules() if m is module), type(module).__name__)
+            dotted = next((name for name, m in self.model.named_modules() if m is module), None)
+            found = spelled_path(self.model, dotted) if dotted is not None else type(module).__name__
             self._addresses[module] = found
         return found
 
-    # -- the run -----------------------------------------------------------
+    # -- the run ---------------------------------------------------------------
     def execute(self) -> Any:
         """Run the model once with every invoke in step; raises the first body error."""
         args, kwargs = self._batch_inputs()
         store = self.tracer._graph_store
-        context = store.hooks if store is not None else None
-        predicted = []
         for invoke in self.invokes:
             block = Block("invoke", tracer=self.tracer, forward=self, invoke=invoke)
-            self.mediators.append(Mediator(block, invoke.body, invoke.namespace, self.state, context))
-            predicted.append(self._predict(invoke))
-            invoke.body = invoke.namespace = None  # type: ignore[assignment]  # the mediator owns them now
-        self.driver = threading.get_ident()
+            assert invoke.body is not None
+            self.mediators.append(Mediator(block, invoke.body, invoke.state))
+            invoke.body = None  # the mediator owns it now
+        self.driver = getcurrent()
         error: BaseException | None = None
+        failed: BaseException | None = None
         output = None
         try:
-            # One process-wide hook instead of one per module: registering a
-            # handle per module costs more than a small model's whole forward.
-            self._handles.append(register_module_forward_hook(self._on_output))
-            for mediator, plan in zip(self.mediators, predicted):
-                if plan:
-                    for key, address in plan:
-                        self._addresses[key[1]] = address
-                    mediator.defer([key for key, _ in plan])
-                    source = mediator.block.invoke.source  # type: ignore[union-attr]
-                    complete = len(plan) == len(source.leading_requests)
-                    # Inline (in this thread, no hand-off) when nothing after the
-                    # plan could wait for the model: the body only reads, or its
-                    # last planned value is the model's output, after which
-                    # nothing more of the forward can be served anyway.
-                    mediator.inline = complete and (source.reads_only or plan[-1][0] == (OUTPUT, self.model))
-                    self._wait_for(mediator, *plan[0])
-                    continue
-                mediator.start()
-                if mediator.error is not None:
-                    raise StopRun()
-            with context() if context is not None else nullcontext():
+            _drive(self)
+            with store.hooks() if store is not None else nullcontext():
+                for mediator in self.mediators:
+                    mediator.start()
+                    self._after(mediator)
                 output = self.model(*args, **kwargs)
-            self._finish()
+                # The model's own output is served here, once its call has
+                # returned: what a body does next (its backward, often) then
+                # runs with no forward frame left waiting under it, which
+                # measurably slows a backward run from inside a forward hook.
+                output = self._serve_all((OUTPUT, self.model), output)
+                self._finish()
         except StopRun:
             pass
         except BaseException as exc:  # the model (or an interrupt) failed: stop every body
             error = exc
         finally:
+            _stop_driving(self)
             for handle in self._handles:
                 handle.remove()
             self._handles.clear()
+            failed = next((m.error for m in self.mediators if m.error is not None), None)
             for mediator in self.mediators:
                 mediator.cancel()
             self._sites.clear()
             self._waiting.clear()
-        failed = next((m.error for m in self.mediators if m.error is not None), None)
-        if failed is not None:
-            raise failed
-        if error is not None:
-            raise error
-        for mediator, invoke in zip(self.mediators, self.invokes):
-            if mediator.result is not None:
-                invoke.updates = saved_names(mediator.result, mediator.block, invoke.source.assigned)
-            mediator.result = None
+            self._arrived.clear()
+            self._injected.clear()
+        try:
+            if failed is not None:
+                raise failed
+            if error is not None:
+                raise error
+            for mediator, invoke in zip(self.mediators, self.invokes):
+                result, body = mediator.result, mediator.body
+                if result is not None and body is not None:
+                    invoke.updates = saved_names(result, mediator.block, body.assigned)
+                    invoke.updates.update({name: result[name] for name in body.writeback if name in result})
+                mediator.result = None
+        finally:
+            for mediator in self.mediators:
+                mediator.release()
+            self.mediators = []
         return output
 
     def _batch_inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -210,25 +221,33 @@ class ForwardRun:
         args, kwargs = batcher.combine([(inv.args, inv.kwargs) for inv in self.invokes])
         return tuple(args), dict(kwargs)
 
+    def _after(self, mediator: Mediator) -> None:
+        """What the driver does each time a body hands control back."""
+        if mediator.error is not None:
+            raise StopRun()
+        pending = mediator.pending
+        if type(pending) is BarrierWait:
+            self._arrive(mediator, pending)
+        elif mediator.done and self._arrived:
+            self._check_barriers()
+
     def _finish(self) -> None:
         """Tell every body still waiting that its value never came, and why."""
         for mediator in self.mediators:
             attempts = 0
-            while not mediator.done and mediator.pending is not None:
+            while not mediator.done and isinstance(mediator.pending, tuple):
                 attempts += 1
                 if attempts > 100:  # a body that keeps catching and asking again
                     mediator.cancel()
                     break
                 kind, module = mediator.pending
-                self._drop_waiter(mediator)
+                waiters = self._waiting.get(mediator.pending)
+                if waiters and mediator in waiters:
+                    waiters.remove(mediator)
                 mediator.fail(self._unserved(mediator, module, kind))
-                if mediator.error is not None:
-                    raise StopRun()
-
-    def _drop_waiter(self, mediator: Mediator) -> None:
-        waiters = self._waiting.get(mediator.pending)
-        if waiters and mediator in waiters:
-            waiters.remove(mediator)
+                self._after(mediator)
+        while self._arrived:
+            self._unfilled(next(iter(self._arrived)))
 
     def _unserved(self, mediator: Mediator, module: nn.Module, kind: str) -> TraceError:
         address = self.address(module)
@@ -250,61 +269,161 @@ class ForwardRun:
             remedy="Check that the model actually calls this module for these inputs.",
         )
 
-    # -- hooks (driver thread) -------------------------------------------------
-    def _on_output(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if self._inline or threading.get_ident() != self.driver:  # a body calling a module itself
-            return None
+    # -- barriers ----------------------------------------------------------------
+    def _arrive(self, mediator: Mediator, wait: BarrierWait) -> None:
+        barrier = wait.barrier
+        arrived = self._arrived.setdefault(barrier, [])
+        arrived.append(mediator)
+        if len(arrived) < barrier.n:
+            self._check_barriers()
+            return
+        del self._arrived[barrier]
+        arrived.sort(key=_invoke_index)
+        self._hand_over(arrived)
+        for waiting in arrived:
+            if not waiting.done and waiting.pending is not None:
+                waiting.serve(Event(waiting.pending, None))
+                self._after(waiting)
+
+    def _hand_over(self, meeting: list[Mediator]) -> None:
+        """Bind in each body the names the others bound above the barrier.
+
+        A name a body bound itself keeps its own value; when several others
+        bound it, the later invoke's value is the one seen (as if the bodies
+        had run one after another, up to the barrier).
+        """
+        frames = []
+        for mediator in meeting:
+            wait = mediator.pending
+            frame = wait.frame if type(wait) is BarrierWait else None
+            frames.append((mediator, frame, dict(frame.f_locals) if frame is not None else {}))
+        for mediator, frame, own in frames:
+            if frame is None:
+                continue
+            copied = mediator.body.namespace if mediator.body is not None else {}
+            injected = self._injected.setdefault(mediator, {})
+            updates: dict[str, Any] = {}
+            for other, _, theirs in frames:
+                if other is mediator:
+                    continue
+                bound = other.body.assigned if other.body is not None else frozenset()
+                for name, value in theirs.items():
+                    if name not in bound or name.startswith("__backlens_"):
+                        continue
+                    mine = own.get(name, _UNSET)
+                    if mine is not _UNSET and mine is not copied.get(name, _UNSET) and mine is not injected.get(name, _UNSET):
+                        continue  # bound by this body itself
+                    updates[name] = value
+            injected.update(updates)
+            write_locals(frame, updates)
+
+    def _check_barriers(self) -> None:
+        """Raise ``barrier_unfilled`` as soon as a barrier can no longer fill."""
+        if not self._arrived:
+            return
+        waiting = {id(m) for ms in self._arrived.values() for m in ms}
+        running = [m for m in self.mediators if not m.done]
+        if all(id(m) in waiting for m in running):  # everyone left waits at a barrier
+            self._unfilled(next(iter(self._arrived)))
+            return
+        for barrier, arrived in list(self._arrived.items()):
+            here = {id(m) for m in arrived}
+            if len(arrived) + sum(1 for m in running if id(m) not in here) < barrier.n:
+                self._unfilled(barrier)
+                return
+
+    def _unfilled(self, barrier: Barrier) -> None:
+        arrived = sorted(self._arrived.pop(barrier, []), key=_invoke_index)
+        here = {id(m) for m in arrived}
+        others = [(m, self._doing(m)) for m in self.mediators if id(m) not in here]
+        error = unfilled_error(barrier, arrived, others)
+        first, rest = arrived[0], arrived[1:]
+        for mediator in rest:  # they stay waiting; the run stops with the first one's error
+            mediator.cancel()
+        first.fail(error)
+        self._after(first)
+
+    def _doing(self, mediator: Mediator) -> str:
+        if mediator.done:
+            return "finished without reaching it" if mediator.error is None else "failed"
+        pending = mediator.pending
+        if type(pending) is BarrierWait:
+            return f"waits at {pending.barrier}"
+        if isinstance(pending, tuple):
+            return f"waits for {self.site_name(pending)}"
+        return "has not run yet"
+
+    # -- hooks (the driver's coroutine) -----------------------------------------
+    def on_output(self, module: nn.Module, output: Any) -> Any:
         self._ran[module] = self._ran.get(module, 0) + 1
-        waiters = self._waiting.pop((OUTPUT, module), None)
-        if not waiters:
+        if module is self.model:  # served when the model call returns (see execute)
             return None
-        value, changed = self._serve((OUTPUT, module), output, waiters)
-        return value if changed else None
+        key = (OUTPUT, module)
+        if key not in self._waiting:
+            return None
+        value = self._serve_all(key, output)
+        return value if value is not output else None
+
+    def _serve_all(self, key: tuple[str, nn.Module], value: Any) -> Any:
+        """Serve ``value`` to every body waiting for ``key``; the value as they left it."""
+        waiters = self._waiting.pop(key, None)
+        while waiters:  # bodies may ask again for the value still at hand (after a barrier)
+            value, _ = self._serve(key, value, waiters)
+            waiters = self._waiting.pop(key, None)
+        return value
 
     def _on_input(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
-        if self._inline or threading.get_ident() != self.driver:
+        if getcurrent() is not self.driver:  # another thread, or a body calling the module
             return None
-        waiters = self._waiting.pop((INPUT, module), None)
+        key = (INPUT, module)
+        waiters = self._waiting.pop(key, None)
         if not waiters:
             return None
-        value, changed = self._serve((INPUT, module), (args, kwargs), waiters)
+        value, changed = (args, kwargs), False
+        while waiters:
+            value, served_changed = self._serve(key, value, waiters)
+            changed = changed or served_changed
+            waiters = self._waiting.pop(key, None)
         return value if changed else None
 
     def _serve(self, key: tuple[str, nn.Module], value: Any, waiters: list[Mediator]) -> tuple[Any, bool]:
         changed = False
         if len(waiters) > 1:
             waiters = sorted(waiters, key=_invoke_index)
+        batch = self.batch
         for mediator in waiters:
             invoke = mediator.block.invoke
             assert invoke is not None
-
-            def remember(view: torch.Tensor, full: torch.Tensor, _inv: Invoke = invoke) -> None:
-                # The first-served name wins: fc2's output is also the model's.
-                if id(view) not in self._sites:
-                    rows = _inv.rows if view is not full else None
-                    self._sites[id(view)] = Site(self, key, _inv.index, full, rows, view)
-
-            event = Event(key, rows_mod.take(value, invoke.rows, self.batch, remember))
-            if mediator.hold(event):
-                # A planned read that only binds a name: kept for the body,
-                # which runs at its next planned request.
-                self._wait_for(mediator, mediator.pending, self._addresses.get(mediator.pending[1], ""))
-                continue
-            if mediator.inline and not mediator.started:
-                self._inline += 1  # the body runs in this thread: its module calls are its own
-                try:
-                    mediator.serve(event)
-                finally:
-                    self._inline -= 1
-            else:
-                mediator.serve(event)
-            if mediator.error is not None:
-                raise StopRun()
+            rows = invoke.rows
+            event = Event(key, rows_mod.take(value, rows, batch, self._remember(key, invoke)), self._merger(key, invoke, value))
+            mediator.serve(event)
+            self._after(mediator)
             if event.replaced:
-                label = f"{site_name(self.address(key[1]), key[0])} (invoke {invoke.index})"
-                value = rows_mod.put(value, event.value, invoke.rows, self.batch, label)
+                value = event.merged
                 changed = True
         return value, changed
+
+    def _remember(self, key: tuple[str, nn.Module], invoke: Invoke) -> Callable[[torch.Tensor, torch.Tensor], None]:
+        def remember(view: torch.Tensor, full: torch.Tensor) -> None:
+            # The first-served name wins: fc2's output is also the model's.
+            if id(view) not in self._sites:
+                rows = invoke.rows if view is not full else None
+                self._sites[id(view)] = Site(self, key, invoke.index, full, rows, view)
+
+        return remember
+
+    def _merger(self, key: tuple[str, nn.Module], invoke: Invoke, full: Any) -> Callable[[Any], Any] | None:
+        if invoke.rows is None:
+            return None
+
+        def merge(part: Any) -> Any:
+            label = f"{site_name(self.address(key[1]), key[0])} (invoke {invoke.index})"
+            return rows_mod.put(full, part, invoke.rows, self.batch, label)
+
+        return merge
+
+
+_UNSET = object()
 
 
 def _invoke_index(mediator: Mediator) -> int:

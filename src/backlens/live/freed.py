@@ -3,8 +3,11 @@
 All invokes of a trace run in one batched forward, so they share one autograd
 graph. A second ``.backward()`` after one that did not retain it fails with
 torch's "Trying to backward through the graph a second time", which says
-nothing about invokes; :func:`freed_graph_error` says it in those terms. No
-other error is reworded: the match is on torch's exact opening words.
+nothing about invokes or about which earlier call freed it;
+:func:`freed_graph_error` says it in those terms, naming the earlier call
+(a ``.backward()`` of a block, or a ``torch.autograd.grad`` a body made: the
+engine wrapper tells a running trace of every run). No other error is
+reworded: the match is on torch's exact opening words.
 
 ``keep_graph=True`` keeps the graph alive for every backward in the trace and
 frees it at exit. Retaining is ``retain_graph=True`` on each backward;
@@ -15,33 +18,43 @@ trace exit frees them even while the user still holds the output.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
-from dataclasses import dataclass
-from typing import Any
+import contextvars
+import threading
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, NamedTuple
 
 import torch
 
+from backlens._fence import complete
+from backlens._frames import user_frame
 from backlens.errors import BacklensError, FreedGraphError
+from backlens.graph import engine
+from backlens.live.context import current_block
 from backlens.live.source import where
 
 TORCH_FREED_TEXT = "Trying to backward through the graph a second time"
 
 
-@dataclass(frozen=True)
-class BackwardCall:
-    """One ``.backward()`` made inside a trace."""
+class BackwardCall(NamedTuple):
+    """One backward engine run started inside a trace (``.backward()`` or ``torch.autograd.grad``)."""
 
     invoke: int | None
     retain: bool
     filename: str
     line: int
+    call: str = ".backward()"
+    single: bool = False  # a trace of one input: no invoke wording
 
     @property
     def where(self) -> str:
         return where(self.filename, self.line)
 
     def owner(self) -> str:
-        return f"invoke {self.invoke}'s .backward()" if self.invoke is not None else "the trace's .backward()"
+        """``invoke 0's .backward()``; a single-input trace's calls are plain ``.backward()``."""
+        if self.invoke is not None and not self.single:
+            return f"invoke {self.invoke}'s {self.call}"
+        return self.call if self.single else f"the trace's {self.call}"
 
 
 def is_freed_graph(exc: BaseException) -> bool:
@@ -54,33 +67,86 @@ def is_freed_graph(exc: BaseException) -> bool:
 
 
 def freed_graph_error(exc: RuntimeError, failing: BackwardCall, earlier: list[BackwardCall]) -> FreedGraphError:
-    """Torch's freed-graph error, explained in invoke terms (see API.md §2)."""
+    """Torch's freed-graph error, explained in the trace's terms (see API.md §2)."""
     culprit = next((call for call in reversed(earlier) if not call.retain), None)
     if culprit is not None:
         who = f"the earlier {culprit.owner()} at {culprit.where}"
     else:
-        who = "an earlier .backward() (not one made in this trace)"
-    shared = (
-        "Every invoke contributes to a single batched forward pass, so all invokes share one "
-        "autograd graph, and a .backward() without retain_graph=True frees that graph when it finishes."
-    )
-    if failing.retain:
-        fix = (
-            "Pass retain_graph=True to that earlier .backward() too (to every .backward() but the last), "
-            "or run each invoke in its own trace."
+        who = "an earlier backward (not one made in this trace)"
+    keep = "(lens.trace(..., keep_graph=True) retains it for every .backward() in the trace.)"
+    if failing.single:
+        shared = "A backward without retain_graph=True frees the autograd graph when it finishes."
+        fix = "Pass retain_graph=True to every backward but the last."
+        other = "retain_graph=True to that earlier call too"
+    else:
+        shared = (
+            "Every invoke contributes to a single batched forward pass, so all invokes share one "
+            "autograd graph, and a .backward() without retain_graph=True frees that graph when it finishes."
         )
+        fix = "Pass retain_graph=True to every .backward() but the last, or run each invoke in its own trace."
+        other = "retain_graph=True to that earlier .backward() too (to every .backward() but the last), or run each invoke in its own trace"
+    if failing.retain:
         head = (
-            f"{failing.owner()} at {failing.where} passed retain_graph=True, but {who} did not, "
+            f"{_capital(failing.owner())} at {failing.where} passed retain_graph=True, but {who} did not, "
             "so the graph was already freed."
         )
+        fix = f"Pass {other}."
     else:
-        fix = "Pass retain_graph=True to every .backward() but the last, or run each invoke in its own trace."
-        head = f"{failing.owner()} at {failing.where} needs the autograd graph that {who} already freed."
-    message = (
-        f"{head} {shared}\nFix: {fix} (lens.trace(..., keep_graph=True) retains it for every .backward() "
-        f"in the trace.)\nOriginal error from torch.autograd: {exc}"
-    )
+        head = f"{_capital(failing.owner())} at {failing.where} needs the autograd graph that {who} already freed."
+    message = f"{head} {shared}\nFix: {fix} {keep}\nOriginal error from torch.autograd: {exc}"
     return FreedGraphError(message, remedy=fix)
+
+
+def _capital(text: str) -> str:
+    if text.startswith("the "):
+        return "T" + text[1:]
+    return f"The {text}" if text.startswith(".") or text.startswith("torch.") else text
+
+
+# -- backward runs a body starts itself (torch.autograd.grad, torch.autograd.backward)
+
+# Set while backlens runs a `.backward()` it records itself.
+recording_own = contextvars.ContextVar("backlens_recording_own_backward", default=False)
+_watching: set[object] = set()  # one token per trace running now (any thread)
+_watch_lock = threading.Lock()
+
+
+def _on_engine_run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    block = current_block()
+    tracer = block.tracer if block is not None else None
+    if tracer is None or recording_own.get():
+        return
+    frame, _ = user_frame(1)
+    if frame is None:
+        return
+    accumulate, retain = engine.run_arguments(args, kwargs)
+    call = "torch.autograd.backward()" if accumulate else "torch.autograd.grad()"
+    invoke = block.invoke.index if block.invoke is not None else None  # type: ignore[union-attr]
+    tracer._backwards.append(BackwardCall(invoke, retain, frame.f_code.co_filename, frame.f_lineno, call, tracer._single))
+
+
+@contextmanager
+def engine_watched() -> Iterator[None]:
+    """Have the engine wrapper tell the traces running now of the runs their bodies start (to
+    name who freed a graph): observed while any trace runs, so that outside traces torch's
+    engine entry point is its own again. A Ctrl-C cannot leave the observer behind."""
+    token = object()
+    try:
+        _watching.add(token)
+        _sync_watch()
+        yield
+    finally:
+        complete(lambda: (_watching.discard(token), _sync_watch()))
+
+
+def _sync_watch() -> None:
+    """Observe exactly while some trace runs (idempotent)."""
+    with _watch_lock:
+        observing = engine.observing(_on_engine_run)
+        if _watching and not observing:
+            engine.observe(_on_engine_run)
+        elif not _watching and observing:
+            engine.unobserve(_on_engine_run)
 
 
 class GraphStore:

@@ -20,48 +20,70 @@ class GraphIndex:
 
     The walk from the roots stops as soon as the node asked about is found
     and resumes from where it stopped for the next question, so a block that
-    asks about late layers only walks the top of the graph.
+    asks about late layers only walks the top of the graph. Which leaf an
+    AccumulateGrad node feeds is read only when a leaf's gradient is asked for.
     """
 
     def __init__(self, roots: list[Any]):
         self._nodes: dict[int, Any] = {}
-        self._leaves: dict[int, Any] = {}
+        self._leaves: dict[int, Any] | None = None
         self._stack: list[Any] = []
         for node in roots:
             if node is not None and id(node) not in self._nodes:
-                self._see(node)
+                self._nodes[id(node)] = node
+                self._stack.append(node)
 
-    def _see(self, node: Any) -> None:
-        self._nodes[id(node)] = node
-        self._stack.append(node)
+    def _expand(self, goal: Any | None, leaf_key: int | None) -> Any | None:
+        """Walk on until ``goal`` (a node) or the node of the leaf ``leaf_key`` is found."""
+        nodes, stack = self._nodes, self._stack
+        leaves = self._leaves
+        while stack:
+            for child, _ in stack.pop().next_functions:
+                if child is None or id(child) in nodes:
+                    continue
+                nodes[id(child)] = child
+                stack.append(child)
+                if child is goal:
+                    return child
+                if leaves is not None and self._note_leaf(child) == leaf_key and leaf_key is not None:
+                    return child
+        return None
+
+    def _note_leaf(self, node: Any) -> int | None:
         if _torch.is_accumulate_grad(node):
             variable = _torch.accumulate_grad_variable(node)
             if variable is not None:
-                self._leaves[id(variable)] = node
-
-    def _found(self, table: dict[int, Any], key: int, node: Any | None) -> Any | None:
-        while True:
-            hit = table.get(key)
-            if hit is not None and (node is None or hit is node):
-                return hit
-            if not self._stack:
-                return None
-            current = self._stack.pop()
-            for child, _ in current.next_functions:
-                if child is not None and id(child) not in self._nodes:
-                    self._see(child)
+                self._leaves[id(variable)] = node  # type: ignore[index]
+                return id(variable)
+        return None
 
     def node_of(self, tensor: torch.Tensor) -> Any | None:
         """The node whose firing delivers ``tensor``'s gradient, if the roots reach it."""
         grad_fn = tensor.grad_fn
         if grad_fn is not None:
-            return self._found(self._nodes, id(grad_fn), grad_fn)
-        return self._found(self._leaves, id(tensor), None)
+            if self._nodes.get(id(grad_fn)) is grad_fn:
+                return grad_fn
+            return self._expand(grad_fn, None)
+        if self._leaves is None:
+            self._leaves = {}
+            for node in list(self._nodes.values()):
+                self._note_leaf(node)
+        found = self._leaves.get(id(tensor))
+        return found if found is not None else self._expand(None, id(tensor))
 
     def reaches(self, start: Any, goal: Any) -> bool:
-        """True when ``goal`` lies below ``start`` (so ``start`` runs before ``goal``)."""
+        """True when ``goal`` lies below ``start`` (so ``start`` runs before ``goal``).
+
+        A node only reaches nodes made before it in the forward, so when
+        ``start`` was made first (a lower sequence number) the answer is no
+        without a walk; AccumulateGrad nodes carry no such number.
+        """
         if start is goal:
             return True
+        if not (_torch.is_accumulate_grad(start) or _torch.is_accumulate_grad(goal)):
+            first, second = _torch.node_sequence_nr(start), _torch.node_sequence_nr(goal)
+            if first is not None and second is not None and first < second:
+                return False
         seen: dict[int, Any] = {id(start): start}
         stack = [start]
         while stack:

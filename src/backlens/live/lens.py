@@ -5,17 +5,22 @@
 setting them replaces the value for the rest of the forward. Attributes that
 are not submodules (``lens.config``) read through to the module. A submodule
 whose name clashes with a lens attribute (BERT's ``layer[0].output`` module)
-is reached by name: ``lens.encoder.layer[0]["output"]``.
+is reached by name: ``lens.encoder.layer[0]["output"]``. Each lens keeps the
+path the user typed to reach it (``transformer.h[1]``), which is how errors
+name its values. A compiled model (``torch.compile``) is seen, and traced,
+through its original module tree.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
+from backlens import _torch
 from backlens.derive.frameworks import refuse_other_framework
 from backlens.errors import TraceError, UnsupportedInputError
 from backlens.live.batching import Batcher, ConcatBatcher
@@ -34,14 +39,19 @@ class _Root:
 
 
 class Lens:
-    """One module of a wrapped model, seen through backlens."""
+    """One module of a wrapped model, seen through backlens.
 
-    __slots__ = ("_lens_module", "_lens_root", "_lens_address")
+    ``_lens_address`` is the module's dotted path (``transformer.h.1``);
+    ``_lens_spelled`` the way the user reached it (``transformer.h[1]``).
+    """
 
-    def __init__(self, module: nn.Module, root: _Root, address: str = ""):
+    __slots__ = ("_lens_module", "_lens_root", "_lens_address", "_lens_spelled")
+
+    def __init__(self, module: nn.Module, root: _Root, address: str = "", spelled: str | None = None):
         object.__setattr__(self, "_lens_module", module)
         object.__setattr__(self, "_lens_root", root)
         object.__setattr__(self, "_lens_address", address)
+        object.__setattr__(self, "_lens_spelled", address if spelled is None else spelled)
 
     # -- tracing -------------------------------------------------------------
     def trace(self, *args: Any, keep_graph: bool = False, **kwargs: Any) -> Any:
@@ -55,14 +65,16 @@ class Lens:
         global _Tracer
         if _Tracer is None:  # imported late: the tracer module imports this one
             from backlens.live.tracer import Tracer as _Tracer
+        tracer = _Tracer(self, args, kwargs, keep_graph=keep_graph)
+        error: TraceError | None = None
         if self._lens_address:
-            raise TraceError(
-                f"trace() was called on the lens of {self._lens_address}; a trace runs the whole "
+            error = TraceError(
+                f"trace() was called on the lens of {self._lens_spelled}; a trace runs the whole "
                 "wrapped model.",
                 code="trace_on_submodule",
                 remedy="Call trace() on the lens bl.wrap(model) returned.",
             )
-        return _Tracer(self, args, kwargs, keep_graph=keep_graph)
+        return tracer._made_at(sys._getframe(1), error)
 
     # -- values ----------------------------------------------------------------
     @property
@@ -83,7 +95,7 @@ class Lens:
     def inputs(self, value: tuple[tuple[Any, ...], dict[str, Any]]) -> None:
         if not (isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], dict)):
             raise UnsupportedInputError(
-                f"{site_name(self._lens_address, 'inputs')} must be set to a pair (args, kwargs).",
+                f"{site_name(self._lens_spelled, 'inputs')} must be set to a pair (args, kwargs).",
                 code="bad_inputs_value",
                 remedy="Set .inputs = (args_tuple, kwargs_dict), or set .input for the first argument.",
             )
@@ -113,7 +125,7 @@ class Lens:
 
     def _no_input(self) -> TraceError:
         return TraceError(
-            f"{site_name(self._lens_address, 'input')} does not exist: the module was called without arguments.",
+            f"{site_name(self._lens_spelled, 'input')} does not exist: the module was called without arguments.",
             code="no_input",
             remedy="Read .inputs to see what the module was called with.",
         )
@@ -127,12 +139,12 @@ class Lens:
             and block.mediator is not None
             and block.forward.tracer._lens_root_of is self._lens_root
         ):
-            return block.forward.value_for(block.mediator, self._lens_module, self._lens_address, kind)
+            return block.forward.value_for(block.mediator, self._lens_module, self._lens_spelled, kind)
         raise self._refusal(block, attr)
 
     def _refusal(self, block: Any, attr: str) -> TraceError:
         """Why this value cannot be served here (worked out only on the error path)."""
-        site = site_name(self._lens_address, attr)
+        site = site_name(self._lens_spelled, attr)
         if block is None:
             return TraceError(
                 f"{site} is only available inside a trace, while the model runs.",
@@ -160,9 +172,12 @@ class Lens:
         )
 
     # -- the module tree -----------------------------------------------------
-    def _child(self, module: nn.Module, name: str) -> Lens:
+    def _child(self, module: nn.Module, name: str, step: str | None = None) -> Lens:
+        """The lens of a child, reached by ``.name`` (or by ``step``, an index as typed: ``[1]``)."""
         address = f"{self._lens_address}.{name}" if self._lens_address else name
-        return Lens(module, self._lens_root, address)
+        if step is None:
+            step = f".{name}" if self._lens_spelled else name
+        return Lens(module, self._lens_root, address, self._lens_spelled + step)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") and name.endswith("__"):
@@ -184,19 +199,19 @@ class Lens:
         module = self._lens_module
         if isinstance(key, str):
             child = module.get_submodule(key)
-            return self._child(child, key)
+            return self._child(child, key, f"[{key!r}]")
         if type(key) is int and isinstance(module, (nn.Sequential, nn.ModuleList)):
             names = list(module._modules)
             try:
                 name = names[key]
             except IndexError:
                 raise IndexError(f"index {key} is out of range for {self!r} ({len(names)} children)") from None
-            return self._child(module._modules[name], name)  # type: ignore[arg-type]
+            return self._child(module._modules[name], name, f"[{key}]")  # type: ignore[arg-type]
         item = module[key]  # type: ignore[index]
         if isinstance(key, slice):
-            return [self._child(m, self._name_of(m)) for m in item]
+            return [self._child(m, name, f"[{name}]") for m, name in ((m, self._name_of(m)) for m in item)]
         if isinstance(item, nn.Module):
-            return self._child(item, self._name_of(item))
+            return self._child(item, self._name_of(item), f"[{key!r}]")
         return item
 
     def _name_of(self, child: nn.Module) -> str:
@@ -215,9 +230,10 @@ class Lens:
         )
 
     def __iter__(self) -> Iterator[Lens]:
+        indexed = isinstance(self._lens_module, (nn.Sequential, nn.ModuleList))
         for name, module in self._lens_module._modules.items():
             if module is not None:
-                yield self._child(module, name)
+                yield self._child(module, name, f"[{name}]" if indexed else None)
 
     def __len__(self) -> int:
         return len(self._lens_module._modules)
@@ -237,34 +253,6 @@ class Lens:
         return f"Lens({where}: {type(self._lens_module).__name__})"
 
 
-def navigate(root: Any, steps: tuple[tuple[str, Any], ...]) -> Lens | None:
-    """Follow attribute and index steps from a lens through submodules only.
-
-    Side-effect free (no value is requested), for predicting a body's first
-    request; None as soon as a step is not a plain submodule.
-    """
-    if not isinstance(root, Lens):
-        return None
-    lens = root
-    for kind, key in steps:
-        module = lens._lens_module
-        if kind == "attr" or isinstance(key, str):
-            child = module._modules.get(key) if isinstance(key, str) else None
-            name = key
-        elif type(key) is int and isinstance(module, (nn.ModuleList, nn.Sequential)):
-            names = list(module._modules)
-            if not -len(names) <= key < len(names):
-                return None
-            name = names[key]
-            child = module._modules[name]
-        else:
-            return None
-        if not isinstance(child, nn.Module):
-            return None
-        lens = lens._child(child, str(name))
-    return lens
-
-
 def wrap(model: nn.Module, batcher: Batcher | None = None) -> Lens:
     """A :class:`Lens` over ``model``; ``batcher`` combines invokes (default: concat on dim 0)."""
     if not isinstance(model, nn.Module):
@@ -274,4 +262,17 @@ def wrap(model: nn.Module, batcher: Batcher | None = None) -> Lens:
             code="not_a_module",
             remedy="Pass the model (an nn.Module) itself.",
         )
+    model = original_module(model)
     return Lens(model, _Root(model, batcher if batcher is not None else ConcatBatcher()))
+
+
+def original_module(model: nn.Module) -> nn.Module:
+    """The module a ``torch.compile`` wrapper was made from (the model itself otherwise).
+
+    A trace's hooks and hand-overs need the forward to run eagerly, so a
+    compiled model is navigated and run as the original module tree.
+    """
+    inner = model
+    while (original := _torch.compiled_original(inner)) is not None:
+        inner = original
+    return inner

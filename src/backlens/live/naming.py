@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 if TYPE_CHECKING:
     from backlens.live.context import Block
@@ -98,3 +99,14 @@ def _local_names(value: Any, frame: types.FrameType | None) -> list[str]:
     except Exception:
         return []
     return [name for name, v in items if v is value and not name.startswith("__backlens_")]
+
+
+def spelled_path(model: Any, dotted: str) -> str:
+    """A module path as a user types it through a lens: ``transformer.h.1`` -> ``transformer.h[1]``."""
+    spelled = ""
+    module = model
+    for part in dotted.split(".") if dotted else []:
+        indexed = isinstance(module, (nn.Sequential, nn.ModuleList)) and part.lstrip("-").isdigit()
+        spelled += f"[{part}]" if indexed else (f".{part}" if spelled else part)
+        module = getattr(module, "_modules", {}).get(part)
+    return spelled

@@ -38,21 +38,23 @@ def take(
 
     ``on_tensor(view, full)`` is called for every tensor handed out, so the
     caller can remember where a view came from (to serve its ``.grad``).
+    (A plain recursive function: a closure calling itself would be a
+    reference cycle holding the model's activations until a collection.)
     """
-
-    def one(item: Any) -> Any:
-        if isinstance(item, torch.Tensor):
-            if rows is None or not _is_batched(item, batch):
-                if on_tensor is not None:
-                    on_tensor(item, item)
-                return item
-            view = item[rows[0] : rows[1]]
+    if isinstance(value, torch.Tensor):
+        if rows is None or not _is_batched(value, batch):
             if on_tensor is not None:
-                on_tensor(view, item)
-            return view
-        return _map(item, one)
-
-    return one(value)
+                on_tensor(value, value)
+            return value
+        view = value[rows[0] : rows[1]]
+        if on_tensor is not None:
+            on_tensor(view, value)
+        return view
+    if isinstance(value, (tuple, list)):
+        return _rebuild_sequence(value, [take(v, rows, batch, on_tensor) for v in value])
+    if isinstance(value, Mapping):
+        return _rebuild_mapping(value, {k: take(v, rows, batch, on_tensor) for k, v in value.items()})
+    return value
 
 
 def put(full: Any, part: Any, rows: Rows | None, batch: int, site: str) -> Any:
@@ -86,6 +88,27 @@ def put(full: Any, part: Any, rows: Rows | None, batch: int, site: str) -> Any:
     raise _mismatch(site, full, part, rows)
 
 
+def put_gradient(full: torch.Tensor, part: Any, rows: Rows | None, batch: int, site: str) -> torch.Tensor:
+    """A gradient with ``rows`` replaced by ``part``; the whole of it when ``rows`` is None.
+
+    The autograd engine only takes a replacement of the gradient's own shape,
+    so a whole replacement is checked here, where the user set it.
+    """
+    if rows is not None:
+        return put(full, part, rows, batch, site)
+    if not isinstance(part, torch.Tensor) or tuple(part.shape) != tuple(full.shape):
+        what = f"a tensor of shape {list(part.shape)}" if isinstance(part, torch.Tensor) else f"a {type(part).__name__}"
+        raise TraceError(
+            f"the value set for {site} is {what}, but the gradient is a tensor of shape "
+            f"{list(full.shape)}; a gradient can only be replaced with a tensor of its own shape.",
+            code="replacement_mismatch",
+            remedy="Build the replacement from the gradient you read (for example h.grad * 2), so it keeps its shape.",
+        )
+    if part.dtype != full.dtype or part.device != full.device:
+        part = part.to(dtype=full.dtype, device=full.device)
+    return part
+
+
 def _same_plain(a: Any, b: Any) -> bool:
     try:
         return bool(a == b)
@@ -109,14 +132,6 @@ def _mismatch(site: str, full: Any, part: Any, rows: Rows) -> TraceError:
         code="replacement_mismatch",
         remedy="Build the replacement from the value you read (for example h * 0), so it keeps its shape.",
     )
-
-
-def _map(value: Any, fn: Callable[[Any], Any]) -> Any:
-    if isinstance(value, (tuple, list)):
-        return _rebuild_sequence(value, [fn(v) for v in value])
-    if isinstance(value, Mapping):
-        return _rebuild_mapping(value, {k: fn(v) for k, v in value.items()})
-    return value
 
 
 def _rebuild_sequence(like: Any, items: list[Any]) -> Any:

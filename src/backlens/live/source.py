@@ -1,162 +1,34 @@
-"""Taking a ``with`` block's body out of the caller and running it ourselves.
+"""Finding a ``with`` block's source, and what Python would make of it in place.
 
-A trace, an invoke and a backward block all work the same way:
-
-1. ``__enter__`` finds the ``with`` statement the caller is executing (its
-   frame's file and line, read through ``linecache``), parses it with ``ast``
-   and compiles the body as a function under the user's real file name and
-   line numbers, so tracebacks point at the user's own lines;
-2. it arranges for the caller's frame to *skip* the body: a frame-local trace
-   function raises :class:`SkipBody` at the first body line, and ``__exit__``
-   swallows it;
-3. ``__exit__`` runs the compiled body (on a copy of the caller's variables)
-   in step with the model, then writes the saved names back into the caller's
-   frame with :func:`write_locals`.
+A trace, an invoke and a backward block are all ``with`` statements whose
+body backlens runs itself. Everything here is decided from the source: the
+caller's file (or notebook cell, or ``python -c`` command) is read through
+``linecache`` and parsed once with ``ast``; a call is recognised as a
+``with`` expression by matching the calling instruction's source position
+against the with items (no bytecode is read); and the facts that make a
+compiled body behave as it would in place are collected from the enclosing
+scopes: ``global``/``nonlocal`` declarations, the enclosing class (private
+name mangling, zero-argument ``super()``), and the names other blocks of the
+same trace bind (handed over at a barrier).
 """
 
 from __future__ import annotations
 
 import ast
-import ctypes
-import inspect
 import linecache
 import os
 import sys
+import threading
 import types
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from backlens.errors import TraceError
 
-# Every name the generated wrapper adds starts with this prefix, so it can
-# never collide with a user name and is filtered out of the final locals.
-_PREFIX = "__backlens_"
-_NS = _PREFIX + "ns__"
-_LOCALS = _PREFIX + "locals__"
-_FUNC = _PREFIX + "block__"
-
-
-class SkipBody(BaseException):
-    """Raised at a block's first body line so the caller's frame skips it.
-
-    A ``BaseException`` so that ``except Exception`` in the caller (or a
-    ``contextlib.suppress(Exception)`` stacked in the same ``with``) cannot
-    swallow it before our ``__exit__`` sees it.
-    """
-
-
-@dataclass(frozen=True)
-class FirstRequest:
-    """``name.step.step...attr``: a chain of attribute and constant-index steps."""
-
-    name: str
-    steps: tuple[tuple[str, Any], ...]
-    attr: str
-
-
-_REQUEST_ATTRS = ("output", "input", "inputs", "grad")
-
-
-def _first_request(stmt: ast.stmt) -> FirstRequest | None:
-    """The request evaluated first by ``stmt``, when nothing runs before it.
-
-    Python evaluates a call's function before its arguments, an attribute's
-    object before the attribute, an operator's left operand first, a tuple's
-    first element first, and an assignment's value before its targets;
-    following those leftmost parts down from the statement reaches the first
-    thing it evaluates.
-    """
-    if isinstance(stmt, (ast.Assign, ast.Expr)):
-        node: ast.expr | None = stmt.value
-    elif isinstance(stmt, ast.AnnAssign):
-        node = stmt.value
-    else:
-        return None
-    while node is not None:
-        if isinstance(node, ast.Attribute) and node.attr in _REQUEST_ATTRS:
-            chain = _chain(node.value)
-            if chain is not None:
-                return FirstRequest(chain[0], chain[1], node.attr)
-        if isinstance(node, ast.Call):
-            node = node.func
-        elif isinstance(node, (ast.Attribute, ast.Subscript, ast.Starred)):
-            node = node.value
-        elif isinstance(node, (ast.BinOp, ast.Compare)):
-            node = node.left
-        elif isinstance(node, ast.UnaryOp):
-            node = node.operand
-        elif isinstance(node, ast.BoolOp):
-            node = node.values[0]
-        elif isinstance(node, (ast.Tuple, ast.List)) and node.elts:
-            node = node.elts[0]
-        else:
-            return None
-    return None
-
-
-def _leading_requests(body: list[ast.stmt], grad: bool) -> tuple[FirstRequest, ...]:
-    """Requests of the leading statements that only bind a value, then one more.
-
-    ``h = lens.fc1.output`` (optionally ``.save()``) binds a local name and
-    does nothing the model or another invoke could see, so running it later,
-    together with the statement after it, is indistinguishable from running
-    it when the value arrives. ``grad`` selects ``g = h.grad`` statements
-    instead (backward blocks).
-    """
-    found: list[FirstRequest] = []
-    bound: set[str] = set()
-    for stmt in body[:16]:
-        request = _first_request(stmt)
-        if request is None or (request.attr == "grad") != grad or (grad and request.steps):
-            break
-        if request.name in bound:
-            break  # resolved before the body runs, it must not depend on what the body binds
-        found.append(request)
-        if not _binds_only(stmt, grad):
-            break
-        bound.add(stmt.targets[0].id)  # type: ignore[attr-defined]
-    return tuple(found)
-
-
-def _reads_only(body: list[ast.stmt], grad: bool) -> bool:
-    statements = [stmt for stmt in body if not _is_noop(stmt)]
-    return 0 < len(statements) <= 16 and all(_binds_only(stmt, grad) for stmt in statements)
-
-
-def _binds_only(stmt: ast.stmt, grad: bool) -> bool:
-    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
-        return False
-    value = stmt.value
-    if isinstance(value, ast.Call) and not value.args and not value.keywords:
-        func = value.func
-        if isinstance(func, ast.Attribute) and func.attr == "save":
-            value = func.value
-    if not isinstance(value, ast.Attribute):
-        return False
-    if grad:
-        return value.attr == "grad" and isinstance(value.value, ast.Name)
-    return value.attr in ("output", "input", "inputs") and _chain(value.value) is not None
-
-
-def _chain(node: ast.expr) -> tuple[str, tuple[tuple[str, Any], ...]] | None:
-    steps: list[tuple[str, Any]] = []
-    while True:
-        if isinstance(node, ast.Name):
-            return node.id, tuple(reversed(steps))
-        if isinstance(node, ast.Attribute):
-            steps.append(("attr", node.attr))
-            node = node.value
-        elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
-            steps.append(("item", node.slice.value))
-            node = node.value
-        else:
-            return None
-
 
 @dataclass(frozen=True)
 class BlockSource:
-    """A ``with`` statement found in the caller's source."""
+    """A ``with`` statement found in the caller's source, and the facts its body needs."""
 
     filename: str
     with_line: int
@@ -167,18 +39,15 @@ class BlockSource:
     # would escape __exit__. None when every statement is a no-op.
     skip_line: int | None
     as_name: str | None
-    # The requests of the body's leading statements, when all but the last
-    # only bind a requested value to a name (`h = lens.fc1.output.save()`);
-    # `leading_grads` the same for `g = h.grad.save()` in a backward block.
-    leading_requests: tuple[FirstRequest, ...]
-    leading_grads: tuple[FirstRequest, ...]
-    # True when every statement is one of those bindings: nothing else runs.
-    reads_only: bool
-    grad_reads_only: bool
-    names: tuple[str, ...]  # sorted, so a namespace's names come out in one order
-    # Names the body binds in its own scope (what can carry a saved value out).
-    assigned: frozenset[str]
+    names: tuple[str, ...]  # used by the body, sorted so namespaces come out in one order
+    assigned: frozenset[str]  # bound in the body's own scope (what can carry a saved value out)
     body: tuple[ast.stmt, ...]
+    declared_global: frozenset[str]  # `global` in the enclosing scope (the body's own included)
+    declared_nonlocal: frozenset[str]
+    class_name: str | None  # the innermost enclosing class: private names are mangled with it
+    first_param: str | None  # the enclosing function's first parameter (zero-argument super())
+    in_function: bool
+    shared: frozenset[str]  # names the other blocks of the same trace bind
 
     @property
     def where(self) -> str:
@@ -195,23 +64,43 @@ def where(filename: str, line: int) -> str:
     return f"{filename if rel.startswith('..') else rel}:{line}"
 
 
+# ---------------------------------------------------------------------------
+# Reading and indexing a file
+
+
+@dataclass(frozen=True)
+class _Scope:
+    """Where a ``with`` statement sits: its function, class and outermost enclosing ``with``."""
+
+    function: ast.AST | None  # FunctionDef / AsyncFunctionDef / Lambda, None at module or class level
+    class_name: str | None
+    outer: ast.With
+
+
 @dataclass
 class _FileIndex:
     lines: list[str]
-    # line -> With nodes whose header (``with ... :``) covers that line
-    headers: dict[int, list[ast.With]]
+    headers: dict[int, list[ast.With]]  # line -> With nodes whose header covers it
+    items: dict[tuple[int, int], ast.With]  # where a with item's call ends -> its With
+    item_lines: dict[int, list[tuple[ast.With, ast.Call]]]  # each line a with item's call spans
+    scopes: dict[int, _Scope]  # id(With) -> its scope
+    tree: ast.Module
 
 
 _files: dict[str, _FileIndex] = {}
 _blocks: dict[tuple[str, int, int], BlockSource] = {}
-_codes: dict[tuple[Any, ...], types.CodeType] = {}
+_declarations: dict[int, tuple[ast.AST, frozenset[str], frozenset[str]]] = {}
+_command: list[str] | None = None
+# CPython (3.11-3.12) keeps the AST converter's recursion depth per interpreter,
+# not per thread: parsing or compiling ASTs in two threads at once can fail
+# ("AST constructor recursion depth mismatch"). Both happen once per source.
+ast_lock = threading.Lock()
 
 
 def _no_source(filename: str, what: str) -> TraceError:
     return TraceError(
         f"{what} needs the source code of its with block, and {filename!r} has none: "
-        "code typed into the plain Python REPL (stdin) or passed with `python -c` is not "
-        "kept anywhere backlens can read it.",
+        "code typed into the plain Python REPL (stdin) is not kept anywhere backlens can read it.",
         code="no_source",
         remedy=(
             "Put the code in a .py file and run it, use IPython or Jupyter (which keep each "
@@ -220,38 +109,172 @@ def _no_source(filename: str, what: str) -> TraceError:
     )
 
 
+def source_lines(frame: types.FrameType) -> list[str]:
+    """The source of the file ``frame`` runs, or [] when none can be found."""
+    filename = frame.f_code.co_filename
+    lines = linecache.getlines(filename, frame.f_globals)
+    if not lines and filename == "<string>" and frame.f_globals.get("__name__") == "__main__":
+        lines = _command_lines()
+    return lines
+
+
+def _command_lines() -> list[str]:
+    """The program given with ``python -c`` (kept in ``sys.orig_argv``, never in linecache)."""
+    global _command
+    if _command is None:
+        found = ""
+        argv = list(getattr(sys, "orig_argv", ()))
+        for i, arg in enumerate(argv[1:], start=1):
+            if arg == "-c" and i + 1 < len(argv):
+                found = argv[i + 1]
+                break
+            if arg.startswith("-c") and len(arg) > 2:
+                found = arg[2:]
+                break
+            if not arg.startswith("-") or arg == "-m":
+                break  # a script or module runs, not a command
+        _command = found.splitlines(True)
+    return _command
+
+
 def _index(filename: str, lines: list[str], what: str) -> _FileIndex:
     cached = _files.get(filename)
     if cached is not None and cached.lines is lines:
         return cached
     try:
-        tree = ast.parse("".join(lines), filename)
+        with ast_lock:
+            tree = ast.parse("".join(lines), filename)
     except SyntaxError as exc:
         raise TraceError(
             f"{what} could not parse {filename!r} to find its with block: {exc}",
             code="source_unparsable",
             remedy="Make sure the file on disk matches the code that is running.",
         ) from exc
-    headers: dict[int, list[ast.With]] = {}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.With) and node.body:
-            # (a body on the `with` line still gets its header line, to be refused)
-            for line in range(node.lineno, max(node.body[0].lineno, node.lineno + 1)):
-                headers.setdefault(line, []).append(node)
-    index = _FileIndex(lines, headers)
+    index = _FileIndex(lines, {}, {}, {}, {}, tree)
+    _scan(tree, index, None, None, None)
     _files[filename] = index
     if len(_blocks) > 4096:
         _blocks.clear()
     return index
 
 
+def _scan(node: ast.AST, index: _FileIndex, function: ast.AST | None, class_name: str | None, outer: ast.With | None) -> None:
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            _scan(child, index, child, class_name, None)
+        elif isinstance(child, ast.ClassDef):
+            _scan(child, index, None, child.name, None)
+        elif isinstance(child, ast.With) and child.body:
+            index.scopes[id(child)] = _Scope(function, class_name, outer or child)
+            # (a body on the `with` line still gets its header line, to be refused)
+            for line in range(child.lineno, max(child.body[0].lineno, child.lineno + 1)):
+                index.headers.setdefault(line, []).append(child)
+            for item in child.items:
+                expr = item.context_expr
+                if isinstance(expr, ast.Call):
+                    index.items[(expr.end_lineno or expr.lineno, expr.end_col_offset or 0)] = child
+                    for line in range(expr.lineno, (expr.end_lineno or expr.lineno) + 1):
+                        index.item_lines.setdefault(line, []).append((child, expr))
+            _scan(child, index, function, class_name, outer or child)
+        else:
+            _scan(child, index, function, class_name, outer)
+
+
+# ---------------------------------------------------------------------------
+# Finding the block
+
+
+_call_sites: dict[tuple[int, int, str], tuple[types.CodeType, BlockSource | TraceError | None]] = {}
+_positions: dict[int, tuple[types.CodeType, list[Any]]] = {}
+
+
+def with_item_at(frame: types.FrameType, attr: str, what: str, need_source: bool) -> BlockSource | TraceError | None:
+    """The ``with`` statement whose item is the call ``frame`` is making.
+
+    ``attr`` is the called method's name (``backward``, ``trace``,
+    ``invoke``). The calling instruction's source position ends where
+    the call expression ends, so the match is exact; cached per code object
+    and instruction. None when the call is not a ``with`` item; the error to
+    raise when it is one whose body cannot run (or, with ``need_source``,
+    when there is no source to tell).
+    """
+    code = frame.f_code
+    key = (id(code), frame.f_lasti, attr)
+    # Keyed by id (hashing a code object hashes its bytecode); the code object
+    # is kept in the value, so its id cannot be reused while cached.
+    hit = _call_sites.get(key)
+    if hit is not None and hit[0] is code:
+        return hit[1]
+    try:
+        found: BlockSource | TraceError | None = _find_item(frame, attr, what, need_source)
+    except TraceError as error:
+        found = error
+    if len(_call_sites) > 10_000:
+        _call_sites.clear()
+        _positions.clear()
+    if not isinstance(found, TraceError):  # an error may be mended (a cell re-registered): look again
+        _call_sites[key] = (code, found)
+    return found
+
+
+def _find_item(frame: types.FrameType, attr: str, what: str, need_source: bool) -> BlockSource | None:
+    lines = source_lines(frame)
+    if not lines:
+        if need_source:
+            raise _no_source(frame.f_code.co_filename, what)
+        return None
+    try:
+        index = _index(frame.f_code.co_filename, lines, what)
+    except TraceError:
+        if need_source:
+            raise
+        return None
+    if not hasattr(frame.f_code, "co_positions"):  # Python 3.10: only the line is known
+        found = [
+            node
+            for node, expr in index.item_lines.get(frame.f_lineno, ())
+            if isinstance(expr.func, ast.Attribute) and expr.func.attr == attr
+        ]
+        return _block(found[0], index, frame.f_code.co_filename, what) if len(found) == 1 else None
+    span = _call_span(frame)
+    if span is None or span[1] is None or span[3] is None:
+        return None
+    # A call ends at its own closing parenthesis, so where it ends names it (its
+    # start is the attribute's position when the call spans several lines).
+    end = (span[1], span[3])
+    node = index.items.get(end)
+    if node is None:
+        return None
+    for item in node.items:
+        expr = item.context_expr
+        if (
+            isinstance(expr, ast.Call)
+            and (expr.end_lineno, expr.end_col_offset) == end
+            and isinstance(expr.func, ast.Attribute)
+            and expr.func.attr == attr
+        ):
+            return _block(node, index, frame.f_code.co_filename, what)
+    return None
+
+
+def _call_span(frame: types.FrameType) -> tuple[Any, ...] | None:
+    code = frame.f_code
+    cached = _positions.get(id(code))
+    if cached is None or cached[0] is not code:
+        cached = (code, list(code.co_positions()))
+        _positions[id(code)] = cached
+    positions = cached[1]
+    i = frame.f_lasti // 2
+    return positions[i] if 0 <= i < len(positions) else None
+
+
 def find_block(frame: types.FrameType, what: str) -> BlockSource:
-    """The ``with`` statement that ``frame`` is entering, with its body.
+    """The ``with`` statement that ``frame`` is entering (found by its line), with its body.
 
     ``what`` names the construct for error messages (``"lens.trace()"``).
     """
     filename = frame.f_code.co_filename
-    lines = linecache.getlines(filename, frame.f_globals)
+    lines = source_lines(frame)
     if not lines:
         raise _no_source(filename, what)
     index = _index(filename, lines, what)
@@ -268,16 +291,24 @@ def find_block(frame: types.FrameType, what: str) -> BlockSource:
     # Nested headers cannot share a line except in `with a, b:` (one node), so
     # the latest-starting candidate is the innermost statement.
     node = candidates[0] if len(candidates) == 1 else max(candidates, key=lambda n: (n.lineno, n.col_offset))
+    return _block(node, index, filename, what)
+
+
+def _block(node: ast.With, index: _FileIndex, filename: str, what: str) -> BlockSource:
     key = (filename, node.lineno, node.col_offset)
     cached = _blocks.get(key)
     if cached is not None and cached.body and cached.body[0] is node.body[0]:
         return cached
-    block = _describe(node, filename, what)
+    block = _describe(node, index, filename, what)
     _blocks[key] = block
     return block
 
 
-def _describe(node: ast.With, filename: str, what: str) -> BlockSource:
+# ---------------------------------------------------------------------------
+# What the body is, in its scope
+
+
+def _describe(node: ast.With, index: _FileIndex, filename: str, what: str) -> BlockSource:
     first = node.body[0].lineno
     if first == node.lineno or first <= max(item.context_expr.end_lineno or 0 for item in node.items):
         raise TraceError(
@@ -292,34 +323,84 @@ def _describe(node: ast.With, filename: str, what: str) -> BlockSource:
     for item in node.items:
         if isinstance(item.optional_vars, ast.Name):
             as_name = item.optional_vars.id
-    declared: set[str] = set()
+    scope = index.scopes[id(node)]
+    _, declared_global, declared_nonlocal = _declared(scope.function, index.tree)
+    # A global name is read and written in the module, never copied in or out;
+    # a nonlocal one is copied in and always written back (see compiler.py).
+    declared = declared_global
     used: set[str] = set()
     for stmt in node.body:
         for sub in ast.walk(stmt):
             if isinstance(sub, ast.Name):
                 used.add(sub.id)
-            elif isinstance(sub, (ast.Global, ast.Nonlocal)):
-                declared.update(sub.names)
+    assigned = _assigned(node.body)
+    shared: set[str] = set()
+    for sub in _withs_inside(scope.outer):
+        shared |= _assigned(sub.body)
     last = max((stmt.end_lineno or stmt.lineno) for stmt in node.body)
     effective = [stmt for stmt in node.body if not _is_noop(stmt)]
+    first_param = None
+    function = scope.function
+    if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+        params = [*function.args.posonlyargs, *function.args.args]
+        first_param = params[0].arg if params else None
     return BlockSource(
         filename=filename,
         with_line=node.lineno,
         first_line=first,
         last_line=last,
         skip_line=effective[0].lineno if effective else None,
-        leading_requests=_leading_requests(node.body, grad=False),
-        leading_grads=_leading_requests(node.body, grad=True),
-        reads_only=_reads_only(node.body, grad=False),
-        grad_reads_only=_reads_only(node.body, grad=True),
         as_name=as_name,
         names=tuple(sorted(used - declared)),
-        assigned=frozenset(_assigned(node.body) - declared),
+        assigned=frozenset(assigned - declared),
         body=tuple(node.body),
+        declared_global=declared_global,
+        declared_nonlocal=declared_nonlocal,
+        class_name=scope.class_name,
+        first_param=first_param,
+        in_function=function is not None,
+        shared=frozenset(shared - declared),
     )
 
 
-def _assigned(body: list[ast.stmt]) -> set[str]:
+def _declared(function: ast.AST | None, tree: ast.Module) -> tuple[ast.AST, frozenset[str], frozenset[str]]:
+    """The ``global`` and ``nonlocal`` names of a scope (they hold for its whole body)."""
+    scope = function if function is not None else tree
+    cached = _declarations.get(id(scope))
+    if cached is not None and cached[0] is scope:
+        return cached
+    found_global: set[str] = set()
+    found_nonlocal: set[str] = set()
+    stack: list[ast.AST] = list(ast.iter_child_nodes(scope))
+    while stack:
+        sub = stack.pop()
+        if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            continue
+        if isinstance(sub, ast.Global):
+            found_global.update(sub.names)
+        elif isinstance(sub, ast.Nonlocal):
+            found_nonlocal.update(sub.names)
+        stack.extend(ast.iter_child_nodes(sub))
+    result = (scope, frozenset(found_global), frozenset(found_nonlocal))
+    _declarations[id(scope)] = result
+    return result
+
+
+def _withs_inside(node: ast.With) -> list[ast.With]:
+    """Every ``with`` statement inside ``node``'s body, in the same function scope."""
+    found = []
+    stack: list[ast.AST] = list(node.body)
+    while stack:
+        sub = stack.pop()
+        if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            continue
+        if isinstance(sub, ast.With):
+            found.append(sub)
+        stack.extend(ast.iter_child_nodes(sub))
+    return found
+
+
+def _assigned(body: list[ast.stmt] | tuple[ast.stmt, ...]) -> set[str]:
     """Names bound in the body's own scope (not inside functions, classes or comprehensions)."""
     found: set[str] = set()
     stack: list[ast.AST] = list(body)
@@ -335,7 +416,7 @@ def _assigned(body: list[ast.stmt]) -> set[str]:
         elif isinstance(node, ast.NamedExpr) and isinstance(node.target, ast.Name):
             found.add(node.target.id)
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            found.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+            found.update((alias.asname or alias.name).split(".")[0] for alias in node.names if alias.name != "*")
         elif isinstance(node, ast.ExceptHandler) and node.name:
             found.add(node.name)
         elif isinstance(node, (ast.MatchAs, ast.MatchStar)) and node.name:
@@ -366,156 +447,3 @@ def _reject_escapes(stmt: ast.stmt, filename: str, what: str) -> None:
                 remedy=f"Save the value inside the block and {keyword} it after the block.",
             )
         stack.extend(ast.iter_child_nodes(node))
-
-
-def compile_body(
-    block: BlockSource, frame: types.FrameType, what: str
-) -> tuple[Callable[[dict[str, Any], Callable[[], dict[str, Any]]], dict[str, Any]], dict[str, Any]]:
-    """The block's body as a function, and the namespace to call it with.
-
-    The function takes ``(namespace, locals)`` and returns its final locals.
-    Its first lines bind each name the body uses that the caller has as a
-    variable right now; the rest are the body's own statements, compiled with
-    their original line numbers. Globals are the caller's real globals.
-    """
-    caller_locals = frame.f_locals
-    present = tuple(name for name in block.names if name in caller_locals)
-    namespace = {name: caller_locals[name] for name in present}
-    key = (block.filename, block.with_line, block.first_line, id(block.body[0]), present, frame.f_code.co_name)
-    code = _codes.get(key)
-    if code is None:
-        code = _compile(block, present, frame.f_code.co_name, what)
-        if len(_codes) > 4096:
-            _codes.clear()
-        _codes[key] = code
-    return types.FunctionType(code, frame.f_globals), namespace
-
-
-def _compile(block: BlockSource, present: tuple[str, ...], name: str, what: str) -> types.CodeType:
-    line = block.with_line
-    where = {"lineno": line, "col_offset": 0, "end_lineno": line, "end_col_offset": 0}
-    prologue: list[ast.stmt] = [
-        ast.Assign(
-            targets=[ast.Name(id=var, ctx=ast.Store(), **where)],
-            value=ast.Subscript(
-                value=ast.Name(id=_NS, ctx=ast.Load(), **where),
-                slice=ast.Constant(value=var, **where),
-                ctx=ast.Load(),
-                **where,
-            ),
-            **where,
-        )
-        for var in present
-    ]
-    epilogue = ast.Return(
-        value=ast.Call(func=ast.Name(id=_LOCALS, ctx=ast.Load(), **where), args=[], keywords=[], **where),
-        lineno=block.last_line,
-        col_offset=0,
-        end_lineno=block.last_line,
-        end_col_offset=0,
-    )
-    template = ast.parse(f"def {_FUNC}({_NS}, {_LOCALS}):\n    pass\n")
-    func = template.body[0]
-    assert isinstance(func, ast.FunctionDef)
-    func.body = [*prologue, *block.body, epilogue]
-    for node in (func, func.args, *func.args.args):
-        node.lineno, node.col_offset = line, 0  # type: ignore[attr-defined]
-        node.end_lineno, node.end_col_offset = line, 0  # type: ignore[attr-defined]
-    try:
-        module_code = compile(template, block.filename, "exec", dont_inherit=True)
-    except SyntaxError as exc:
-        raise TraceError(
-            f"the body of the {what} block at {block.where} cannot run on its own: {exc.msg} "
-            f"(line {exc.lineno}). `break`, `continue` and `nonlocal` cannot reach outside it.",
-            code="unsupported_statement",
-            remedy="Keep control flow that leaves the block outside the with statement.",
-        ) from exc
-    code = next(c for c in module_code.co_consts if isinstance(c, types.CodeType))
-    # Tracebacks then read like the user's own function.
-    return code.replace(co_name=name, co_qualname=name) if sys.version_info >= (3, 11) else code.replace(co_name=name)
-
-
-def run_body(fn: Callable[..., dict[str, Any]], namespace: dict[str, Any]) -> dict[str, Any]:
-    """Run a compiled body; returns its final local variables."""
-    return fn(namespace, locals)
-
-
-class Skipper:
-    """Makes the caller's frame skip a block's body.
-
-    ``install`` sets a trace function on the caller's frame that raises
-    :class:`SkipBody` when the first body line is about to run. CPython drops
-    the thread's trace function when one raises, so ``restore`` puts back any
-    tracer (a debugger, coverage) that was there before. A body of no-op
-    statements only (``pass``) needs no skipping: it may run as it is.
-    """
-
-    def __init__(self, frame: types.FrameType, first_line: int | None):
-        self.frame = frame
-        self.first_line = first_line
-        self.fired = first_line is None
-        self._active = False
-        self._token = SkipBody()
-        self._prev_global: Any = None
-        self._prev_local: Any = None
-
-    def install(self) -> None:
-        if self.first_line is None:
-            return
-        self._prev_global = sys.gettrace()
-        self._prev_local = self.frame.f_trace
-        self.frame.f_trace = self._trace
-        if self._prev_global is None:
-            sys.settrace(_untraced)
-        self._active = True
-
-    def _trace(self, frame: types.FrameType, event: str, arg: Any) -> Any:
-        if event == "line" and frame is self.frame and frame.f_lineno >= self.first_line:  # type: ignore[operator]
-            self.fired = True
-            raise self._token
-        return self._trace
-
-    def owns(self, exc: BaseException | None) -> bool:
-        return exc is self._token
-
-    def restore(self) -> None:
-        if not self._active:
-            return
-        self._active = False
-        if sys.gettrace() is not self._prev_global:
-            sys.settrace(self._prev_global)
-        self.frame.f_trace = self._prev_local
-        # The token's traceback holds the caller's frame: drop it, so no cycle
-        # is left for the garbage collector.
-        self._token.__traceback__ = None
-        self._token.__context__ = None
-
-
-def _untraced(frame: types.FrameType, event: str, arg: Any) -> None:
-    """Global tracer while a skip is armed: traces no new frame."""
-    return None
-
-
-_CO_OPTIMIZED = inspect.CO_OPTIMIZED
-_locals_to_fast: Any = None
-if sys.version_info < (3, 13):
-    _locals_to_fast = ctypes.pythonapi.PyFrame_LocalsToFast
-    _locals_to_fast.argtypes = [ctypes.py_object, ctypes.c_int]
-    _locals_to_fast.restype = None
-
-
-def write_locals(frame: types.FrameType, updates: dict[str, Any]) -> None:
-    """Bind ``updates`` as variables of ``frame`` (a function, module or exec frame).
-
-    Module, class and ``exec`` frames keep their variables in a dict, which
-    ``f_locals`` returns. A function frame keeps them in fast slots: before
-    3.13, ``f_locals`` is a snapshot that ``PyFrame_LocalsToFast`` copies
-    back; from 3.13 on it is a write-through proxy.
-    """
-    if not updates:
-        return
-    f_locals = frame.f_locals
-    for name, value in updates.items():
-        f_locals[name] = value
-    if _locals_to_fast is not None and frame.f_code.co_flags & _CO_OPTIMIZED:
-        _locals_to_fast(frame, 0)

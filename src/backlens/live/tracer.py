@@ -1,10 +1,10 @@
-"""``with lens.trace(...) as tracer:`` and ``with tracer.invoke(...):``.
+"""``with lens.trace(...) as tracer:``, ``with tracer.invoke(...):`` and ``tracer.barrier(n)``.
 
 With inputs, the trace body is the one invoke's body and runs in step with
 ``model(*inputs)``. Without, the trace body runs first, in the caller's
-thread, and only declares invokes: each ``tracer.invoke(...)`` block records
-its inputs and body; when the trace body ends, every invoke runs in one
-batched forward call (:class:`~backlens.live.forward.ForwardRun`). Saved
+frame's place, and only declares invokes: each ``tracer.invoke(...)`` block
+records its inputs and body; when the trace body ends, every invoke runs in
+one batched forward call (:class:`~backlens.live.forward.ForwardRun`). Saved
 values reach the caller's scope when the outermost block ends.
 """
 
@@ -16,14 +16,16 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from backlens.errors import TraceError
+from backlens.errors import BacklensError, TraceError
+from backlens.live.barrier import Barrier, make_barrier
 from backlens.live.batching import Batcher
+from backlens.live.compiler import compile_body
 from backlens.live.context import Block, current_block, running, saved_names
 from backlens.live.forward import ForwardRun, Invoke
-from backlens.live.freed import BackwardCall, GraphStore
-from backlens.live.mediator import CallerState
-from backlens.live.source import compile_body, run_body
-from backlens.live.withbody import WithBody
+from backlens.live.freed import BackwardCall, GraphStore, engine_watched
+from backlens.live.source import with_item_at
+from backlens.live.torchstate import CallerState
+from backlens.live.withbody import WithBody, refusal
 
 if TYPE_CHECKING:
     from backlens.live.lens import Lens
@@ -45,7 +47,23 @@ class Tracer(WithBody):
         self._invokes: list[Invoke] = []
         self._collecting = False
         self._used = False
-        self._state: CallerState | None = None
+
+    def _made_at(self, frame: types.FrameType, error: BacklensError | None) -> Any:
+        """This tracer, or a block that refuses at once when ``error`` or its source says so."""
+        found = with_item_at(frame, "trace", self._what, need_source=True)
+        if found is None:  # not the expression of a `with`: checked when entered
+            if error is not None:
+                raise error
+            return self
+        try:
+            if error is not None:
+                raise error
+            if isinstance(found, TraceError):
+                raise found
+            self._prepare(found)
+        except BacklensError as err:
+            return refusal(err)
+        return self
 
     @property
     def _lens_root_of(self) -> Any:
@@ -59,9 +77,30 @@ class Tracer(WithBody):
     def _batcher(self) -> Batcher:
         return self._lens._lens_root.batcher
 
-    def invoke(self, *args: Any, **kwargs: Any) -> InvokeBlock:
+    @property
+    def _single(self) -> bool:
+        """A trace of one input (no invokes): its messages never speak of invokes."""
+        return self._has_inputs
+
+    def invoke(self, *args: Any, **kwargs: Any) -> Any:
         """A ``with`` block whose body sees and edits only these inputs' rows of the batch."""
-        return InvokeBlock(self, args, kwargs)
+        block = InvokeBlock(self, args, kwargs)
+        found = with_item_at(sys._getframe(1), "invoke", block._what, need_source=True)
+        try:
+            self._check_can_invoke()
+            if isinstance(found, TraceError):
+                raise found
+            if found is not None:
+                block._prepare(found)
+        except BacklensError as err:
+            if found is None:
+                raise
+            return refusal(err)
+        return block
+
+    def barrier(self, n: int) -> Barrier:
+        """A meeting point of ``n`` invokes (see API.md §2): ``barrier()`` in each of them."""
+        return make_barrier(self, n, sys._getframe(1))
 
     def __enter__(self) -> Tracer:
         if self._used:
@@ -71,36 +110,37 @@ class Tracer(WithBody):
                 remedy="Call lens.trace(...) again for another run.",
             )
         self._used = True
-        self._state = CallerState.capture()
         self._arm(sys._getframe(1))
         return self
 
-    def _run(self, frame: types.FrameType) -> dict[str, Any]:
-        assert self._source is not None and self._state is not None
-        body, namespace = compile_body(self._source, frame, self._what)
+    def _run(self, frame: types.FrameType, state: CallerState) -> dict[str, Any]:
+        assert self._source is not None
+        body = compile_body(self._source, frame, self._what)
         if self.keep_graph:
             self._graph_store = GraphStore()
         updates: dict[str, Any] = {}
-        if self._has_inputs:
-            args, kwargs = self._inputs
-            self._invokes = [Invoke(0, args, kwargs, body, namespace, self._source)]
-        else:
-            block = Block("trace", tracer=self)
-            self._collecting = True
-            try:
-                with running(block):
-                    final = run_body(body, namespace)
-            finally:
-                self._collecting = False
-            updates.update(saved_names(final, block, self._source.assigned))
-            if not self._invokes:
-                raise TraceError(
-                    f"the trace at {self._source.where} has no inputs: pass them to lens.trace(...) "
-                    "or declare `with tracer.invoke(...):` blocks in its body.",
-                    code="no_inputs",
-                    remedy="Call lens.trace(x) or add tracer.invoke(x) blocks.",
-                )
-        ForwardRun(self, self._invokes, self._state).execute()
+        with engine_watched(), state.applied():
+            if self._has_inputs:
+                args, kwargs = self._inputs
+                self._invokes = [Invoke(0, args, kwargs, body, state)]
+            else:
+                block = Block("trace", tracer=self)
+                self._collecting = True
+                try:
+                    with running(block):
+                        final = body.run()
+                finally:
+                    self._collecting = False
+                updates.update(saved_names(final, block, body.assigned))
+                updates.update({name: final[name] for name in body.writeback if name in final})
+                if not self._invokes:
+                    raise TraceError(
+                        f"the trace at {self._source.where} has no inputs: pass them to lens.trace(...) "
+                        "or declare `with tracer.invoke(...):` blocks in its body.",
+                        code="no_inputs",
+                        remedy="Call lens.trace(x) or add tracer.invoke(x) blocks.",
+                    )
+            ForwardRun(self, self._invokes, state).execute()
         for invoke in self._invokes:
             updates.update(invoke.updates)
         return updates
@@ -110,8 +150,8 @@ class Tracer(WithBody):
             self._graph_store.free()
         self._invokes = []
 
-    def _add_invoke(self, args: tuple[Any, ...], kwargs: dict[str, Any], body: Any, namespace: dict[str, Any], source: Any) -> None:
-        self._invokes.append(Invoke(len(self._invokes), args, kwargs, body, namespace, source))
+    def _add_invoke(self, args: tuple[Any, ...], kwargs: dict[str, Any], body: Any, state: CallerState) -> None:
+        self._invokes.append(Invoke(len(self._invokes), args, kwargs, body, state))
 
     def _check_can_invoke(self) -> None:
         block = current_block()
@@ -141,13 +181,12 @@ class InvokeBlock(WithBody):
         self._inputs = (args, kwargs)
 
     def __enter__(self) -> InvokeBlock:
-        self._tracer._check_can_invoke()
         self._arm(sys._getframe(1))
         return self
 
-    def _run(self, frame: types.FrameType) -> dict[str, Any]:
+    def _run(self, frame: types.FrameType, state: CallerState) -> dict[str, Any]:
         assert self._source is not None
-        body, namespace = compile_body(self._source, frame, self._what)
+        body = compile_body(self._source, frame, self._what)
         args, kwargs = self._inputs
-        self._tracer._add_invoke(args, kwargs, body, namespace, self._source)
+        self._tracer._add_invoke(args, kwargs, body, state)
         return {}  # the invoke runs (and saves) when the trace body ends

@@ -1,4 +1,11 @@
-"""What every backlens ``with`` block shares: skip the body, run it, write back.
+"""What every backlens ``with`` block shares: find the body, skip it, run it, write back.
+
+The call that makes the block (``lens.trace(x)``, ``tracer.invoke(x)``,
+``loss.backward()``) finds its ``with`` statement from the caller's source
+and checks everything that can be checked before the body runs (the source,
+statements that cannot leave the body, that the body compiles). A problem
+found there is raised by the ``with`` statement itself, from C, so the
+traceback holds only the user's lines (:func:`refusal`).
 
 Subclasses call :meth:`WithBody._arm` from ``__enter__`` and implement
 ``_run(frame)``, which runs the compiled body and returns the saved names to
@@ -10,33 +17,80 @@ saved in an enclosing block, so they keep travelling outwards).
 
 from __future__ import annotations
 
+import functools
 import os
 import types
+from collections.abc import Iterator
 from typing import Any
 
 from backlens.errors import BacklensError
+from backlens.live import compiler
 from backlens.live.context import current_block
-from backlens.live.source import BlockSource, SkipBody, Skipper, find_block, write_locals
+from backlens.live.skip import SkipBody, Skipper, write_locals
+from backlens.live.source import BlockSource, find_block
+from backlens.live.torchstate import CallerState
+
+
+def _exhausted() -> Iterator[None]:
+    yield
+
+
+def refusal(error: BaseException) -> Any:
+    """A context manager whose ``__enter__`` raises ``error`` with no frame of ours.
+
+    Throwing into a finished generator raises the exception from C, and a
+    ``staticmethod`` around a ``functools.partial`` is called without a
+    Python frame either: the traceback the user sees starts and ends at
+    their own ``with`` line.
+    """
+    error.__traceback__ = None  # raised once on the way here: only the with line is the user's
+    error.__context__ = None
+    done = _exhausted()
+    for _ in done:
+        pass
+    kind = type(
+        "RefusedBlock",
+        (),
+        {
+            "__slots__": (),
+            "__enter__": staticmethod(functools.partial(done.throw, error)),
+            "__exit__": staticmethod(_never),
+        },
+    )
+    return kind()
+
+
+def _never(*args: Any) -> None:
+    return None
 
 
 class WithBody:
     """Base of the trace, invoke and backward blocks (see the module docstring)."""
 
     _what = "the block"
+    _grads = False  # a backward block: the body's `.grad` go through the running backward
 
     _frame: types.FrameType | None = None
     _source: BlockSource | None = None
     _skip: Skipper | None = None
 
-    def _arm(self, frame: types.FrameType) -> BlockSource:
-        source = find_block(frame, self._what)
-        self._frame = frame
+    def _prepare(self, source: BlockSource) -> None:
+        """Checks made when the block is made (the errors a refusal raises)."""
+        compiler.check(source, self._what, self._grads)
         self._source = source
+
+    def _arm(self, frame: types.FrameType) -> BlockSource:
+        source = self._source
+        if source is None:  # made elsewhere and entered here: find the block by its line
+            source = find_block(frame, self._what)
+            compiler.check(source, self._what, self._grads)
+            self._source = source
+        self._frame = frame
         self._skip = Skipper(frame, source.skip_line)
         self._skip.install()
         return source
 
-    def _run(self, frame: types.FrameType) -> dict[str, Any]:
+    def _run(self, frame: types.FrameType, state: CallerState) -> dict[str, Any]:
         raise NotImplementedError
 
     def _cleanup(self) -> None:
@@ -54,10 +108,11 @@ class WithBody:
         if not skip.fired:
             self._cleanup()
             return False
+        state = skip.state if skip.state is not None else CallerState.capture()
         error: BaseException | None = None
         updates: dict[str, Any] = {}
         try:
-            updates = self._run(frame)
+            updates = self._run(frame, state)
         except BaseException as err:  # re-raised below, outside this handler
             error = err
         finally:
@@ -107,9 +162,10 @@ def _tidy_traceback(error: BaseException) -> None:
 
     Leading entries from this package (the path from ``__exit__`` down to the
     body that failed) are dropped; for our own errors, so are the trailing
-    ones after the user's line that asked (the property that raised it). An
-    error that never went through user code keeps its full traceback: that
-    is a bug of ours, and its frames are the evidence.
+    ones after the user's line that asked (the property that raised it), and
+    all of them when no user line was involved (an error about the inputs).
+    Any other error that never went through user code keeps its full
+    traceback: that is a bug of ours, and its frames are the evidence.
     """
     entries = []
     tb = error.__traceback__
@@ -118,6 +174,8 @@ def _tidy_traceback(error: BaseException) -> None:
         tb = tb.tb_next
     user = [i for i, entry in enumerate(entries) if not _ours(entry)]
     if not user:
+        if isinstance(error, BacklensError):
+            error.__traceback__ = None
         return
     if isinstance(error, BacklensError):
         entries[user[-1]].tb_next = None
@@ -125,7 +183,7 @@ def _tidy_traceback(error: BaseException) -> None:
 
 
 def strip_internal_head(tb: types.TracebackType | None, codes: set[types.CodeType]) -> types.TracebackType | None:
-    """Drop the leading traceback entries that are our own thread plumbing."""
+    """Drop the leading traceback entries that are our own coroutine plumbing."""
     while tb is not None and tb.tb_frame.f_code in codes:
         tb = tb.tb_next
     return tb

@@ -11,9 +11,11 @@ from typing import Any
 import torch
 
 from backlens.capture.views import NodeView, entry_field
-from backlens.errors import LabelNotFoundError
+from backlens.errors import AmbiguousLabelError, LabelNotFoundError
 from backlens.graph.labels import call_label
+from backlens.records.aten import AtenOpList, aten_ops_of
 from backlens.records.base import Record, RecordList
+from backlens.records.collectives import CollectiveList
 from backlens.records.grads import check_pass_number
 
 
@@ -32,9 +34,9 @@ class GradFn(Record, NodeView):
         return state.nodes[at].label
 
     @property
-    def calls(self) -> CallList:
+    def calls(self) -> NodeCalls:
         """This node's calls: ``calls[0]``, ``calls.for_pass(k)``."""
-        return CallList(self._state, self._state.node_calls[self._at])
+        return NodeCalls(self._state, self._state.node_calls[self._at])
 
     def row(self) -> dict[str, Any]:
         op = self.op
@@ -107,9 +109,12 @@ class GradFnCall(Record):
 
     @property
     def duration(self) -> float | None:
-        """Seconds it ran, less backlens's own hook work (None without timing)."""
+        """Seconds it ran, less backlens's own hook work and the time spent in collectives
+        (``pass_.collectives``) issued or waited for inside it (None without timing)."""
         entry = self._entry
-        return (entry.end_ns - entry.start_ns - entry.hook_ns) / 1e9 if entry.start_ns is not None else None
+        if entry.start_ns is None:
+            return None
+        return (entry.end_ns - entry.start_ns - entry.hook_ns - entry.wait_ns) / 1e9
 
     def row(self) -> dict[str, Any]:
         node = self.grad_fn
@@ -132,15 +137,33 @@ class GradFnCall(Record):
 
 
 class CallList(RecordList[GradFnCall]):
-    """Node calls; by position, by ``"label:k"``, or ``for_pass(k)``."""
+    """Node calls; by position or by ``"label:k"``."""
 
     def __init__(self, state: Any, positions: Any):
         super().__init__(state, GradFnCall, positions)
 
-    def for_pass(self, k: int) -> list[GradFnCall]:
+
+class NodeCalls(CallList):
+    """One node's calls; by position, by ``"label:k"``, or ``for_pass(k)``."""
+
+    def for_pass(self, k: int) -> GradFnCall:
+        """The one call of pass ``k`` (a node fires at most once per engine run)."""
         check_pass_number(k, "calls.for_pass")
         calls = self._state.calls
-        return [self._record(p) for p in self._positions if calls[p].pass_number == k]
+        found = [p for p in self._positions if calls[p].pass_number == k]
+        if len(found) == 1:
+            return self._record(found[0])
+        fired_in = sorted({calls[p].pass_number for p in self._positions})
+        if not found:
+            raise LabelNotFoundError(
+                f"No call in pass {k}: this node fired in passes {fired_in or 'none'}.",
+                remedy="Pick a pass from the message (1-based), or iterate .calls.",
+            )
+        labels = [self._record(p).label for p in found]
+        raise AmbiguousLabelError(
+            f"{len(found)} calls in pass {k} ({', '.join(labels)}); for_pass(k) gives one.",
+            remedy="Pick one by label or position from .calls.",
+        )
 
 
 class BackwardPass(Record):
@@ -150,9 +173,10 @@ class BackwardPass(Record):
     kind = "backward_pass"
     noun = "backward pass"
     FIELDS = ("number", "trigger", "call_site", "retain_graph", "create_graph", "save_grads_policy", "status",
-              "error", "duration", "orders", "order_coverage", "edits")
+              "error", "duration", "orders", "order_coverage", "other_capture_nodes", "edits")
     COLUMNS = ("number", "trigger", "call_site", "retain_graph", "create_graph", "orders", "order_coverage",
-               "save_grads_policy", "duration", "num_calls", "num_edits", "status", "error")
+               "save_grads_policy", "duration", "num_calls", "other_capture_nodes", "num_edits", "num_collectives",
+               "status", "error")
 
     @staticmethod
     def key_of(state: Any, at: int) -> str:
@@ -172,7 +196,10 @@ class BackwardPass(Record):
                          "unchanged but backlens could not record all of it; ``error`` says why).")
     error = entry_field("error", "The exception a failed pass raised (a loaded one: its type name and message).")
     orders = entry_field("orders", "The node orders that ran (``[1]``; ``[1, 2]`` with second-order nodes).")
-    order_coverage = entry_field("order_coverage", "The resolved fraction of the nodes the pass created.")
+    order_coverage = entry_field("order_coverage", "The resolved fraction (by order) of the nodes that fired in it; "
+                                 "1.0 when all are resolved.")
+    other_capture_nodes = entry_field("other_capture_nodes", "Nodes of the same engine run that belong to other "
+                                      "captures and were recorded there (0 when it ran over this capture alone).")
     edits = entry_field("edits", "Every gradient edit applied in it, with norms before and after.")
 
     @property
@@ -185,6 +212,21 @@ class BackwardPass(Record):
     def calls(self) -> list[GradFnCall]:
         view = self._state.view
         return [view(GradFnCall, i) for i in self._entry.calls]
+
+    @property
+    def collectives(self) -> CollectiveList:
+        """The collectives issued while it ran (DDP's all-reduces, FSDP's all-gathers and
+        reduce-scatters), in the order they were issued; empty outside ``torch.distributed``."""
+        number = self._entry.number
+        state = self._state
+        return CollectiveList(state, [i for i, e in enumerate(state.collectives) if e.pass_number == number])
+
+    @property
+    def aten_ops(self) -> AtenOpList | None:
+        """Every ATen call the pass dispatched, in order (None when its FLOPs were not counted)."""
+        cost = self._state.cost
+        counted = cost.pass_cost(self._entry.number) if cost is not None else None
+        return aten_ops_of(self._state, counted.get("aten_ops") if counted is not None else None)
 
     def row(self) -> dict[str, Any]:
         error = self.error
@@ -199,7 +241,9 @@ class BackwardPass(Record):
             "save_grads_policy": repr(self.save_grads_policy),
             "duration": self.duration,
             "num_calls": len(self._entry.calls),
+            "other_capture_nodes": self.other_capture_nodes,
             "num_edits": len(self.edits),
+            "num_collectives": sum(1 for e in self._state.collectives if e.pass_number == self._entry.number),
             "status": self.status,
             "error": None if error is None else (str(error).splitlines() or [""])[0],
         }

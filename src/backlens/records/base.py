@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar, Generic, TypeVar
 
+from backlens._pandas import data_frame
 from backlens.capture.views import View
 from backlens.errors import LabelNotFoundError, UnsupportedInputError
 from backlens.graph.labels import label_not_found
@@ -110,9 +111,7 @@ class RecordList(Generic[R]):
 
     def to_pandas(self):
         """One row per record; columns are stable and documented in docs/records.md."""
-        import pandas as pd
-
-        return pd.DataFrame([r.row() for r in self], columns=list(self._cls.COLUMNS))
+        return data_frame([r.row() for r in self], self._cls.COLUMNS)
 
     def __repr__(self) -> str:
         shown = ", ".join(self.labels()[:6])

@@ -13,7 +13,9 @@ from backlens.errors import UnsupportedInputError
 from backlens.graph.labels import label_not_found
 from backlens.records.backward import BackwardPass, CallList, GradFn, PassList
 from backlens.records.base import RecordList
-from backlens.records.forward import InputRecord, ModuleCallRecord, OpRecord, ParamRecord
+from backlens.records.checkpoints import NOT_WITNESSED, CheckpointRecord
+from backlens.records.collectives import CollectiveList
+from backlens.records.forward import InputRecord, ModuleCallList, OpRecord, ParamRecord
 
 
 class CaptureRecords:
@@ -27,9 +29,9 @@ class CaptureRecords:
         return RecordList(self._state, OpRecord, range(len(self._state.journal.ops)))
 
     @property
-    def modules(self) -> RecordList[ModuleCallRecord]:
-        """Module calls, by position or address (``"encoder.layer.0"``, ``"...:2"``)."""
-        return RecordList(self._state, ModuleCallRecord, range(len(self._state.journal.module_calls)))
+    def modules(self) -> ModuleCallList:
+        """Module calls, by position or address (``"encoder.layer.0"``, ``"encoder.layer.0:2"``)."""
+        return ModuleCallList(self._state, range(len(self._state.journal.module_calls)))
 
     @property
     def params(self) -> RecordList[ParamRecord]:
@@ -57,9 +59,44 @@ class CaptureRecords:
         return PassList(self._state, range(len(self._state.passes)))
 
     @property
+    def collectives(self) -> CollectiveList:
+        """Every collective issued in a backward pass of this capture (``pass_.collectives``
+        holds one pass's)."""
+        self._state.sync()
+        return CollectiveList(self._state, range(len(self._state.collectives)))
+
+    @property
+    def rank(self) -> int | None:
+        """This process's rank under ``torch.distributed`` when it captured (None outside)."""
+        return self._state.rank
+
+    @property
+    def world_size(self) -> int | None:
+        """The world size under ``torch.distributed`` when it captured (None outside)."""
+        return self._state.world_size
+
+    @property
     def last_pass(self) -> BackwardPass | None:
         passes = self.passes
         return passes[-1] if len(passes) else None
+
+    @property
+    def checkpoints(self) -> RecordList[CheckpointRecord]:
+        """One record per ``torch.utils.checkpoint`` invocation in the forward."""
+        journal = self._state.checkpoints
+        return RecordList(self._state, CheckpointRecord, range(len(journal.entries) if journal is not None else 0))
+
+    @property
+    def checkpoint_verdict(self) -> str:
+        """``"observed"``, ``"none_observed"`` (complete evidence of none) or ``"unknown"``."""
+        journal = self._state.checkpoints
+        return journal.verdict if journal is not None else "unknown"
+
+    @property
+    def checkpoint_reasons(self) -> list[str]:
+        """Why the checkpoint evidence is incomplete (empty when it is complete)."""
+        journal = self._state.checkpoints
+        return list(journal.reasons) if journal is not None else [NOT_WITNESSED]
 
     def __getitem__(self, label: str) -> Any:
         """An op by label, else a module call by address, a node or a node call by label."""

@@ -11,9 +11,16 @@ from typing import Any
 import torch
 
 from backlens.capture.views import OpView, entry_field
-from backlens.graph.labels import owning_module
-from backlens.records.base import Record
-from backlens.records.grads import GradRecord, describe_grads, grad_for_pass, single_grad
+from backlens.errors import AmbiguousLabelError
+from backlens.graph.labels import label_not_found, owning_module
+from backlens.records.base import Record, RecordList
+from backlens.records.grads import (
+    GradRecord,
+    describe_grads,
+    grad_for_pass,
+    single_grad,
+    why_none_saved,
+)
 
 
 def _grads(pairs: list[tuple[torch.Tensor, int]]) -> list[GradRecord]:
@@ -56,7 +63,8 @@ class OpRecord(Record, OpView):
 
     @property
     def grad(self) -> torch.Tensor:
-        return single_grad(self.grads, f"op {self.label!r}")
+        return single_grad(self.grads, f"op {self.label!r}",
+                           lambda: why_none_saved(self._state, self._state.node_of_op(self._at)))
 
     def grad_for(self, *, pass_: int) -> torch.Tensor:
         return grad_for_pass(self.grads, pass_, f"op {self.label!r}")
@@ -82,19 +90,18 @@ class OpRecord(Record, OpView):
 
 
 class ModuleCallRecord(Record):
-    """One call of one module (``encoder.layer.0``, a repeat ``encoder.layer.0:2``)."""
+    """One call of one module (``encoder.layer.0``; of a module called twice, ``encoder.layer.0:2``)."""
 
     __slots__ = ()
     kind = "module"
     noun = "module call"
-    FIELDS = ("index", "address", "module_address", "module_type", "call_number", "parent", "children",
-              "ops", "output_shape")
-    COLUMNS = ("index", "address", "module_address", "module_type", "call_number", "parent", "children",
-               "num_ops", "output_shape", "output_grad", "num_saved_grads")
+    FIELDS = ("index", "address", "label", "call", "module_type", "parent", "children", "ops", "output_shape")
+    COLUMNS = ("index", "address", "label", "module_type", "call", "parent", "children", "num_ops",
+               "output_shape", "output_grad", "num_saved_grads")
 
     @staticmethod
     def key_of(state: Any, at: int) -> str:
-        return state.journal.module_address(at)
+        return state.journal.call_label(at)
 
     @property
     def _entry(self) -> Any:
@@ -104,25 +111,29 @@ class ModuleCallRecord(Record):
     def index(self) -> int:
         return self._at
 
-    address = entry_field("address", "The call's address (``encoder.layer.0``, a repeat ``encoder.layer.0:2``).")
-    module_address = entry_field("module_address", "The module's address, without the call suffix.")
-    call_number = entry_field("call_number", "1 for the module's first call, 2 for its second...")
+    address = entry_field("address", "The module's address (``encoder.layer.0``), naming all its calls.")
+    call = entry_field("call", "1 for the module's first call, 2 for its second...")
     output_shape = entry_field("output_shape", "Shape of the call's first tensor output.")
 
     @property
+    def label(self) -> str:
+        """This call's name: the address when the module ran once, else ``address:k``."""
+        return self._state.journal.call_label(self._at)
+
+    @property
     def module_type(self) -> str:
-        return self._state.journal.module_types.get(self._entry.module_address, "")
+        return self._state.journal.module_types.get(self._entry.address, "")
 
     @property
     def parent(self) -> str | None:
-        """Address of the enclosing call (None for the root)."""
-        return self._state.journal.module_address(self._entry.parent)
+        """Label of the enclosing call (None for the root)."""
+        return self._state.journal.call_label(self._entry.parent)
 
     @property
     def children(self) -> list[str]:
-        """Addresses of the calls made directly inside it."""
+        """Labels of the calls made directly inside it."""
         journal = self._state.journal
-        return [journal.module_address(c) for c in journal.children(self._at)]
+        return [journal.call_label(c) for c in journal.children(self._at)]
 
     @property
     def ops(self) -> list[str]:
@@ -138,19 +149,28 @@ class ModuleCallRecord(Record):
 
     @property
     def output_grad(self) -> torch.Tensor:
-        return single_grad(self.output_grads, f"module call {self.address!r} output")
+        return single_grad(self.output_grads, f"module call {self.label!r} output", self._why_none_saved)
+
+    def _why_none_saved(self) -> str:
+        state = self._state
+        untracked = None
+        if not self._entry.output_tracked:
+            untracked = ("its output had no grad_fn, so no backward pass carries its gradient (the call ran "
+                         "without autograd tracking: inside torch.utils.checkpoint with use_reentrant=True, "
+                         "or under torch.no_grad(); or its output needs no gradient)")
+        return why_none_saved(state, state.node_of_module_call(self._at), untracked)
 
     def output_grad_for(self, *, pass_: int) -> torch.Tensor:
-        return grad_for_pass(self.output_grads, pass_, f"module call {self.address!r} output")
+        return grad_for_pass(self.output_grads, pass_, f"module call {self.label!r} output")
 
     def row(self) -> dict[str, Any]:
         grads = describe_grads(self.output_grads)
         return {
             "index": self.index,
             "address": self.address,
-            "module_address": self.module_address,
+            "label": self.label,
             "module_type": self.module_type,
-            "call_number": self.call_number,
+            "call": self.call,
             "parent": self.parent,
             "children": self.children,
             "num_ops": len(self.ops),
@@ -158,6 +178,52 @@ class ModuleCallRecord(Record):
             "output_grad": grads["grad"],
             "num_saved_grads": grads["num_saved_grads"],
         }
+
+
+class ModuleCallList(RecordList[ModuleCallRecord]):
+    """Module calls by position or address: ``"lin"`` when ``lin`` ran once, ``"lin:2"``
+    for its second call; a module that ran several times has no single record, and
+    its address alone raises ``AmbiguousLabelError`` naming its calls."""
+
+    def __init__(self, state: Any, positions: Any):
+        super().__init__(state, ModuleCallRecord, positions)
+
+    def _find(self, key: str) -> int | None:
+        found = self._index().get(key)
+        if found is not None:
+            return found
+        journal = self._state.journal
+        calls = journal.resolve(key)
+        if calls is None:
+            return None
+        if len(calls) > 1:
+            labels = [journal.call_label(c) for c in calls]
+            raise AmbiguousLabelError(
+                f"Module {key!r} was called {len(calls)} times ({', '.join(labels)}); "
+                f"{key!r} names all of them, a record lookup needs one.",
+                remedy=f"Name one call: {labels[0]!r} ... {labels[-1]!r} (1-based).",
+            )
+        return calls[0] if calls[0] in self._positions else None
+
+    def __getitem__(self, key: int | str | slice) -> Any:
+        if isinstance(key, str):
+            found = self._find(key)
+            if found is None:
+                raise label_not_found(self.kind, key, list(self._index()))
+            return self._record(found)
+        return super().__getitem__(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        found = self._find(key)
+        return default if found is None else self._record(found)
+
+    def __contains__(self, key: object) -> bool:
+        if isinstance(key, str):
+            try:
+                return self._find(key) is not None
+            except AmbiguousLabelError:
+                return False
+        return super().__contains__(key)
 
 
 class ParamRecord(Record):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,14 +23,17 @@ class GradRecord:
         return f"GradRecord(pass_number={self.pass_number}, shape={shape})"
 
 
-def single_grad(grads: Sequence[GradRecord], what: str) -> torch.Tensor:
-    """The tensor when exactly one gradient was saved; else AmbiguousGradError."""
+def single_grad(grads: Sequence[GradRecord], what: str, why: Callable[[], str] | None = None) -> torch.Tensor:
+    """The tensor when exactly one gradient was saved; else AmbiguousGradError.
+
+    ``why()`` says why none was saved, when the caller can tell.
+    """
     if len(grads) == 1:
         return grads[0].tensor
     if not grads:
+        cause = why() if why is not None else "no pass ran yet, or save_grads did not select it"
         raise AmbiguousGradError(
-            f"{what} has no saved gradient: no backward pass saved one "
-            "(no pass ran yet, or save_grads did not select it).",
+            f"{what} has no saved gradient: {cause}.",
             code="no_saved_grad",
             remedy="Run a backward with save_grads=True (or a selector that matches it), "
             "then read .grad.",
@@ -48,6 +51,18 @@ def check_pass_number(k: Any, where: str) -> None:
         raise UnsupportedInputError(
             f"{where}: a backward pass number is an integer from 1, got {k!r} ({type(k).__name__}).",
             code="bad_pass_number", remedy="Pass numbers are 1-based: the first backward pass is 1.")
+
+
+def why_none_saved(state: Any, node: int | None, untracked: str | None = None) -> str:
+    """Why no gradient was kept for what ``node`` carries (None: no node carries it;
+    ``untracked``: the reason, when that is known)."""
+    if not state.passes:
+        return "no backward pass has run over this capture yet"
+    if node is None:
+        return untracked or "no autograd node of this capture's graph carries it (no backward pass reached it)"
+    if not state.node_calls[node]:
+        return f"no backward pass reached its node {state.nodes[node].label}"
+    return "the passes that reached it did not keep it (save_grads did not select it)"
 
 
 def grad_for_pass(grads: Sequence[GradRecord], pass_: int, what: str) -> torch.Tensor:

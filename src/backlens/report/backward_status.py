@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backlens import _args
+from backlens._pandas import data_frame
 from backlens.cost.journal import CostJournal
 from backlens.errors import LabelNotFoundError
 from backlens.report.display import flops_text, seconds_text
@@ -84,9 +85,7 @@ class FlopsAttribution:
         return by_op
 
     def to_pandas(self):
-        import pandas as pd
-
-        return pd.DataFrame([r.row() for r in self.rows], columns=ROW_COLUMNS)
+        return data_frame([r.row() for r in self.rows], ROW_COLUMNS)
 
     def __rich__(self):
         from rich.table import Table
@@ -155,9 +154,7 @@ class BackwardStatus:
         return found
 
     def to_pandas(self):
-        import pandas as pd
-
-        return pd.DataFrame([p.row() for p in self.passes], columns=PASS_COLUMNS)
+        return data_frame([p.row() for p in self.passes], PASS_COLUMNS)
 
     def __rich__(self):
         from rich.console import Group

@@ -5,10 +5,18 @@ order (a parent before its children), plus two rows that make the backward
 column add up: backward work of nodes with no forward op (the loss, built
 after the forward) and unattributed work (ATen calls under no node of the
 captured graph; the forward FLOPs of an op outside every module call land
-there too).
+there too). Under ``torch.distributed``, one more row per collective kind
+(``"(all_reduce)"``, ``"(all_gather)"``, ``"(reduce_scatter)"``, kind
+``"collective"``): how many the covered passes issued and the time from each
+one's issue to its completion; collectives run no autograd kernel, so their
+backward FLOPs are 0, and the time a rank waited for them is theirs, not a
+module's.
 
 A node call's FLOPs and time go to the module call its node belongs to: its
-forward op's, or for AccumulateGrad its parameter's module.
+forward op's, or for AccumulateGrad its parameter's module (its first call, or
+its nearest called ancestor's first call for a module never called itself).
+Rows are named by call label (``lin``; ``lin:1`` and ``lin:2`` when ``lin`` ran
+twice).
 ``self_*`` columns count a module call's own ops; ``subtree_*`` add its
 descendants. Summing ``self_backward_flops`` over all rows gives the executed
 backward FLOPs of the passes the tree covers. Backward columns are ``None``
@@ -22,8 +30,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backlens import _args
+from backlens._pandas import data_frame
 from backlens.cost.journal import CostJournal
-from backlens.errors import LabelNotFoundError
+from backlens.errors import AmbiguousLabelError, LabelNotFoundError
+from backlens.graph.labels import split_call
 from backlens.records.grads import check_pass_number
 from backlens.report.backward_status import backward_status
 from backlens.report.display import flops_text, seconds_text
@@ -37,7 +47,7 @@ class CostRow:
     """One module call (or one of the two catch-all rows) of the cost tree."""
 
     address: str
-    kind: str  # "module" | "no_forward_op" | "unattributed"
+    kind: str  # "module" | "no_forward_op" | "unattributed" | "collective"
     module_type: str | None
     parent: str | None
     depth: int
@@ -84,11 +94,26 @@ class CostTree:
     _by_address: dict[str, CostRow] = field(default_factory=dict, repr=False)
 
     def __getitem__(self, address: str) -> CostRow:
+        """The row of one module call, by its label (``"lin"``, ``"lin:2"``; ``"lin:1"``
+        also when ``lin`` ran once). A module that ran several times has one row per call:
+        its address alone raises ``AmbiguousLabelError`` naming them."""
         found = self._by_address.get(address)
-        if found is None:
-            raise LabelNotFoundError(f"No row {address!r} in the cost tree.",
-                                     remedy="Use a module call address from tree.rows.")
-        return found
+        if found is not None:
+            return found
+        calls = [row.address for row in self.rows if row.kind == "module"
+                 and split_call(row.address) == (address, split_call(row.address)[1])
+                 and split_call(row.address)[1] is not None]
+        if len(calls) > 1:
+            raise AmbiguousLabelError(
+                f"Module {address!r} ran {len(calls)} times: the cost tree has one row per call "
+                f"({', '.join(calls)}).",
+                remedy=f"Name one call: {calls[0]!r} ... {calls[-1]!r}.",
+            )
+        name, number = split_call(address)
+        if number == 1 and name in self._by_address:
+            return self._by_address[name]
+        raise LabelNotFoundError(f"No row {address!r} in the cost tree.",
+                                 remedy="Use a module call label from tree.rows.")
 
     def __iter__(self):
         return iter(self.rows)
@@ -97,9 +122,7 @@ class CostTree:
         return len(self.rows)
 
     def to_pandas(self):
-        import pandas as pd
-
-        return pd.DataFrame([r.row() for r in self.rows], columns=TREE_COLUMNS)
+        return data_frame([r.row() for r in self.rows], TREE_COLUMNS)
 
     def __rich__(self):
         from rich.table import Table
@@ -153,12 +176,12 @@ def cost_tree(cap: Any, pass_: int | None = None) -> CostTree:
     depth_of: dict[str, int] = {}
     for call in cap.modules:
         depth = depth_of[call.parent] + 1 if call.parent is not None and call.parent in depth_of else 0
-        depth_of[call.address] = depth
-        row = CostRow(call.address, "module", call.module_type, call.parent, depth,
+        depth_of[call.label] = depth
+        row = CostRow(call.label, "module", call.module_type, call.parent, depth,
                       0 if journal.forward is not None else None,
                       0 if flops_on else None, 0 if flops_on else None, None, 0)
         rows.append(row)
-        by_address[call.address] = row
+        by_address[call.label] = row
     no_op = CostRow(NO_FORWARD_OP, "no_forward_op", None, None, 0, 0 if journal.forward is not None else None,
                     0 if flops_on else None, 0 if flops_on else None, None, 0)
     unattributed = CostRow(UNATTRIBUTED, "unattributed", None, None, 0, 0 if journal.forward is not None else None,
@@ -175,8 +198,9 @@ def cost_tree(cap: Any, pass_: int | None = None) -> CostTree:
         if call.pass_number not in timed:
             continue
         # A node belongs to its forward op's module call; AccumulateGrad to its
-        # parameter's; nodes built after the forward (the loss) to none.
-        module = call.grad_fn.module
+        # parameter's module (shown under its first call, or under its nearest
+        # called ancestor's when it was never called); the loss to none.
+        module = call.grad_fn.module_call
         target = by_address.get(module) if module is not None else None
         target = target or no_op
         target.backward_calls += 1
@@ -190,6 +214,7 @@ def cost_tree(cap: Any, pass_: int | None = None) -> CostTree:
                 target.self_recompute_flops += call.recompute_flops
     if flops_on:
         unattributed.self_backward_flops = sum(journal.pass_cost(n)["unattributed_flops"] for n in counted)
+    collective_rows = _collective_rows(cap, timed, forward_known=journal.forward is not None, flops_on=flops_on)
     for row in (*rows, no_op, unattributed):
         if not recompute_known:
             row.self_recompute_flops = None
@@ -206,12 +231,41 @@ def cost_tree(cap: Any, pass_: int | None = None) -> CostTree:
         parent.subtree_recompute_flops = _add(parent.subtree_recompute_flops, row.subtree_recompute_flops)
         if row.subtree_backward_time is not None:
             parent.subtree_backward_time = (parent.subtree_backward_time or 0.0) + row.subtree_backward_time
-    rows += [no_op, unattributed]
+    rows += [no_op, unattributed, *collective_rows]
     by_address[NO_FORWARD_OP] = no_op
     by_address[UNATTRIBUTED] = unattributed
+    by_address.update((row.address, row) for row in collective_rows)
     executed = sum(journal.pass_cost(n)["executed_flops"] for n in counted) if flops_on else None
     return CostTree(rows=rows, passes=sorted(counted), backward_state=state, backward_reason=reason,
                     executed_flops=executed, forward_flops=journal.forward_flops, _by_address=by_address)
+
+
+def collective_row_name(kind: str) -> str:
+    """The cost tree's row for collectives of ``kind`` (``"(all_reduce)"``)."""
+    return f"({kind})"
+
+
+def _collective_rows(cap: Any, timed: set[int], *, forward_known: bool, flops_on: bool) -> list[CostRow]:
+    """One row per collective kind the capture saw (in any pass, so every pass's tree has the
+    same rows), over the collectives of the covered passes."""
+    rows: dict[str, CostRow] = {}
+    for collective in cap.collectives:
+        row = rows.get(collective.kind)
+        if row is None:
+            row = rows[collective.kind] = CostRow(
+                collective_row_name(collective.kind), "collective", None, None, 0, 0 if forward_known else None,
+                0 if flops_on else None, 0 if flops_on else None, None, 0)
+        if collective.pass_number not in timed:
+            continue
+        row.backward_calls += 1
+        if collective.duration is not None:
+            row.self_backward_time = (row.self_backward_time or 0.0) + collective.duration
+    for row in rows.values():
+        row.subtree_forward_mac_flops = row.self_forward_mac_flops
+        row.subtree_backward_flops = row.self_backward_flops
+        row.subtree_recompute_flops = row.self_recompute_flops
+        row.subtree_backward_time = row.self_backward_time
+    return list(rows.values())
 
 
 def _add(a: int | float | None, b: int | float | None) -> int | float | None:

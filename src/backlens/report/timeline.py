@@ -20,6 +20,12 @@ Where the engine leaves a module call and comes back to it (sibling branches
 interleaved), the call has one slice per stretch, each with
 ``args["stretch"] = "i/n"``. Fires that overlap in time (an engine running
 nodes on several threads) go on separate tracks.
+
+Collectives (``pass_.collectives``, under ``torch.distributed``) are slices of
+their own (kind ``"collective"``, named by their label, ``all_reduce_1:1``),
+from their issue to their completion, on tracks of their own
+(``COLLECTIVE_TRACK`` and up: they run beside the nodes, and overlapping ones
+each get a track).
 """
 
 from __future__ import annotations
@@ -29,14 +35,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backlens import _args
+from backlens._pandas import data_frame
 
 ROOT_NAME = "(model)"
+COLLECTIVE_TRACK = 101  # the first track of collectives; node tracks count from 1
 _PID = 1
 
 
 @dataclass(frozen=True)
 class Slice:
-    """One bar of the timeline; ``kind`` is ``"pass"``, ``"module"`` or ``"node"``.
+    """One bar of the timeline; ``kind`` is ``"pass"``, ``"module"``, ``"node"`` or ``"collective"``.
 
     ``start_ns`` and ``duration_ns`` count from the timeline's origin (the
     start of its first pass). ``depth`` is 0 for a pass, then one per module
@@ -103,7 +111,11 @@ class Timeline:
             {"name": "process_name", "ph": "M", "pid": _PID, "tid": 0, "args": {"name": "backlens backward"}},
         ]
         for track in tracks:
-            name = "backward" if track == 1 else f"backward (concurrent fires {track})"
+            if track >= COLLECTIVE_TRACK:
+                lane = track - COLLECTIVE_TRACK + 1
+                name = "collectives" if lane == 1 else f"collectives (overlapping {lane})"
+            else:
+                name = "backward" if track == 1 else f"backward (concurrent fires {track})"
             metadata.append({"name": "thread_name", "ph": "M", "pid": _PID, "tid": track, "args": {"name": name}})
             metadata.append({"name": "thread_sort_index", "ph": "M", "pid": _PID, "tid": track,
                              "args": {"sort_index": track}})
@@ -123,10 +135,8 @@ class Timeline:
 
     def to_pandas(self):
         """One row per slice: name, kind, pass, start and duration (seconds), depth, track, args."""
-        import pandas as pd
-
         columns = ["name", "kind", "pass_number", "start", "duration", "depth", "track", "args"]
-        return pd.DataFrame([[s.name, s.kind, s.pass_number, s.start, s.duration, s.depth, s.track, s.args]
+        return data_frame([[s.name, s.kind, s.pass_number, s.start, s.duration, s.depth, s.track, s.args]
                              for s in self.slices], columns=columns)
 
     def module_bars(self, number: int, max_depth: int | None = None) -> list[tuple[str, int, list[Slice]]]:
@@ -154,7 +164,9 @@ def timeline(cap: Any, pass_: int | None = None) -> Timeline:
         calls = list(backward_pass.calls)
         timed = [c for c in calls if c.start is not None and c.duration is not None]
         untimed += len(calls) - len(timed)
-        end = max((_ns(c.start) + _ns(c.duration) for c in timed), default=0)
+        # (a pass record without collectives: a stand-in from a test or another tool)
+        collectives = [c for c in getattr(backward_pass, "collectives", ()) if c.duration is not None]
+        end = max((_ns(c.start) + _ns(c.duration) for c in [*timed, *collectives]), default=0)
         span = max(end, _ns(backward_pass.duration) if backward_pass.duration is not None else 0)
         if not timed and backward_pass.duration is None:
             continue
@@ -166,8 +178,10 @@ def timeline(cap: Any, pass_: int | None = None) -> Timeline:
             "status": backward_pass.status,
             "node_calls": len(calls),
             "fire_time_us": sum(_ns(c.duration) for c in timed) / 1e3,
+            "collectives": len(collectives),
         }))
         slices += _pass_slices(backward_pass.number, timed, origin, chain_of)
+        slices += _collective_slices(backward_pass.number, collectives, origin)
         origin += span
     reason = None
     if not slices:
@@ -180,21 +194,36 @@ def _ns(seconds: float) -> int:
     return round(seconds * 1e9)
 
 
-def _module_label(record: Any) -> str:
-    """A module call's label (``"encoder.layer.0:2"``)."""
-    return getattr(record, "label", None) or record.address
-
-
 def _module_chains(cap: Any):
-    """A function: module call label -> [(label, type)] from the model down to it."""
+    """A function: a node's module (a call label, or a module's address) -> [(name, type)]
+    from the model down to it.
+
+    A module's address that is no call's label names the module itself: an
+    AccumulateGrad node belongs to its parameter's module, whose calls may be
+    several (a slice for the module under its first call's parent) or none
+    (``MultiheadAttention.out_proj``: under its nearest called ancestor).
+    """
     parent: dict[str, str] = {}
     kind: dict[str, str | None] = {}
+    calls_of: dict[str, list[str]] = {}
+    type_of: dict[str, str | None] = {}
     for record in cap.modules:
-        label = _module_label(record)
-        kind[label] = getattr(record, "module_type", None)
+        label = record.label
+        kind[label] = type_of[record.address] = getattr(record, "module_type", None)
+        calls_of.setdefault(record.address, []).append(label)
         for child in record.children:
             parent[child] = label
     cache: dict[str | None, list[tuple[str, str | None]]] = {None: []}
+
+    def anchor_of(address: str) -> str | None:
+        calls = calls_of.get(address)
+        if calls:
+            return parent.get(calls[0])
+        while address:
+            address = address.rpartition(".")[0]
+            if address in kind or address in calls_of:
+                return address
+        return None
 
     def chain(label: str | None) -> list[tuple[str, str | None]]:
         found = cache.get(label)
@@ -204,10 +233,7 @@ def _module_chains(cap: Any):
         if label in kind:
             result = [*chain(parent.get(label)), (label, kind[label])]
         else:
-            # A module that was never called itself (a parameter's owner, as
-            # MultiheadAttention.out_proj): under its nearest called ancestor.
-            above = label.rsplit(".", 1)[0] if "." in label else ""
-            result = [*chain(above if above in kind else None), (label, None)]
+            result = [*chain(anchor_of(label)), (label, type_of.get(label))]
         cache[label] = result
         return result
 
@@ -284,6 +310,28 @@ def _pass_slices(number: int, calls: list[Any], origin: int, chain_of) -> list[S
         close(track, 0)
     _number_stretches(out)
     out.sort(key=lambda s: (s.track, s.start_ns, -s.duration_ns, s.depth))
+    return out
+
+
+def _collective_slices(number: int, collectives: list[Any], origin: int) -> list[Slice]:
+    """One slice per collective, each on the first collective track free at its start."""
+    track_ends: list[int] = []
+    out = []
+    for collective in sorted(collectives, key=lambda c: c.start):
+        start = origin + _ns(collective.start)
+        end = start + _ns(collective.duration)
+        lane = next((i for i, last in enumerate(track_ends) if last <= start), None)
+        if lane is None:
+            lane = len(track_ends)
+            track_ends.append(end)
+        track_ends[lane] = end
+        out.append(Slice(collective.label, "collective", number, start, end - start, 1, COLLECTIVE_TRACK + lane, {
+            "kind": collective.kind,
+            "bytes": collective.bytes,
+            "params": list(collective.params),
+            "modules": list(collective.modules),
+            "pass": number,
+        }))
     return out
 
 
