@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.utils.checkpoint
 
 import backlens as bl
 from backlens import _torch
@@ -31,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import loss_of  # noqa: E402
 
 STOCK_CALL_IMPL = torch.nn.Module._call_impl
+STOCK_CHECKPOINT_HOOK = torch.utils.checkpoint._checkpoint_hook
+STOCK_CHECKPOINT_FORWARD = torch.utils.checkpoint.CheckpointFunction.__dict__["forward"].__func__
 STOCK_ENGINE = torch.autograd.graph._engine_run_backward
 WATCHED = (PACKAGE_DIR, os.path.join(os.path.dirname(torch.__file__), "utils", "_python_dispatch.py"),
            os.path.join(os.path.dirname(torch.__file__), "overrides.py"))
@@ -124,6 +127,9 @@ def check(point: str, interrupt) -> dict:
     model.raise_in_forward = False
     outcome["mode_stacks"] = list(_torch.mode_stack_depths())
     outcome["call_impl_stock"] = torch.nn.Module._call_impl is STOCK_CALL_IMPL
+    outcome["checkpoint_stock"] = (
+        torch.utils.checkpoint._checkpoint_hook is STOCK_CHECKPOINT_HOOK
+        and torch.utils.checkpoint.CheckpointFunction.__dict__["forward"].__func__ is STOCK_CHECKPOINT_FORWARD)
     cap = held.get("cap")
     if cap is not None:
         # The capture is consistent or refuses with a named error; gradients are stock either way.
@@ -278,6 +284,9 @@ def main(count: int) -> None:
         "discovering nodes": patched(BackwardRecorder, "_add_nodes", 1),
         "opening a pass": patched(BackwardRecorder, "open_pass", 2),
         "closing a pass": patched(BackwardRecorder, "close_pass", 1),
+        # between swapping torch's checkpoint hooks class and its reentrant forward
+        "installing the checkpoint witness": patched(_torch, "set_reentrant_checkpoint_forward", 1),
+        "removing the checkpoint witness": patched(_torch, "set_checkpoint_hook_class", 2),
     }
     for name, interrupt in named.items():
         print(json.dumps(check(name, interrupt)), flush=True)

@@ -4,8 +4,9 @@ interrupt_points.py raises KeyboardInterrupt at evenly spread lines of
 backlens (and of torch's mode enter/exit code) during a captured forward and
 two captured backwards, and at named places (a user's tensor hook, a custom
 Function's backward, the FLOP census, backlens's own hooks, the user's
-forward), in a fresh process. After each: torch's mode stacks are empty,
-``nn.Module._call_impl`` is torch's, the capture either records later passes
+forward, installing and removing the checkpoint witness), in a fresh process.
+After each: torch's mode stacks are empty, ``nn.Module._call_impl`` and the
+checkpoint classes the witness swaps are torch's, the capture either records later passes
 or refuses them with a named error (gradients stock either way), its records
 read, and once it is closed a plain training step runs no backlens code and
 gives stock gradients.
@@ -22,7 +23,8 @@ import pytest
 
 SCRIPT = Path(__file__).with_name("interrupt_points.py")
 NAMED = ["a user's tensor hook", "a node's backward", "the user's forward", "the FLOP census",
-         "a backlens pre-hook", "discovering nodes", "opening a pass", "closing a pass"]
+         "a backlens pre-hook", "discovering nodes", "opening a pass", "closing a pass",
+         "installing the checkpoint witness", "removing the checkpoint witness"]
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +50,10 @@ def test_no_mode_is_left_on_torchs_stacks(points):
 
 def test_module_call_impl_is_torchs_own_again(points):
     assert [p["point"] for p in points if not p["call_impl_stock"]] == []
+
+
+def test_torchs_checkpoint_hooks_class_and_reentrant_forward_are_its_own_again(points):
+    assert [p["point"] for p in points if not p["checkpoint_stock"]] == []
 
 
 def test_an_interrupted_capture_records_later_passes_or_refuses_them_by_name(points):

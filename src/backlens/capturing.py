@@ -129,13 +129,14 @@ def capture(
         output = run_opaque(journal, compiled_model, args, kwargs)
     else:
         # Everything the forward installs in torch (the module-call wrapper, the function
-        # mode) is installed inside this try and removed in its finally, also on Ctrl-C.
+        # mode, the checkpoint witness) is installed inside this try and removed in its
+        # finally, also on Ctrl-C.
         try:
             recorder.attach(addresses, module_types)
             with witness, _torch.function_mode(recorder):
                 output = model(*args, **kwargs)
         finally:
-            complete(recorder.detach)
+            complete(lambda: (recorder.detach(), witness.leave()))
     journal.seq_end = _torch.sequence_nr()
     recorder.finish(output)
     warn_if_no_activation_kept(save_activations, journal)
