@@ -161,11 +161,15 @@ def check(point: str, interrupt) -> dict:
     # A plain training step afterwards: no backlens code runs, gradients are stock.
     model.zero_grad(set_to_none=True)
     stock_model.zero_grad(set_to_none=True)
-    called = []
+    called, entered = [], []
 
     def profiler(frame, event, arg):
         if event == "call" and frame.f_code.co_filename.startswith(PACKAGE_DIR):
-            called.append(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
+            name = f"{os.path.relpath(frame.f_code.co_filename, PACKAGE_DIR)}:{frame.f_code.co_name}"
+            called.append(name)
+            caller = frame.f_back
+            if caller is None or not caller.f_code.co_filename.startswith(PACKAGE_DIR):
+                entered.append(name)  # where torch or the user called into backlens
 
     sys.setprofile(profiler)
     try:
@@ -174,6 +178,7 @@ def check(point: str, interrupt) -> dict:
         sys.setprofile(None)
     loss_of(stock_model(x)).backward()
     outcome["backlens_calls_in_plain_step"] = sorted(set(called))
+    outcome["backlens_entries_in_plain_step"] = sorted(set(entered))
     outcome["plain_grads_stock"] = all(torch.equal(a, b) for a, b in zip(grads(model), grads(stock_model)))
     return outcome
 
