@@ -251,6 +251,11 @@ class BoundModel:
     """
 
     def __init__(self, model: torch.nn.Module, interventions: list[Intervention]):
+        if not isinstance(model, torch.nn.Module):
+            raise UnsupportedInputError(
+                f"bl.when(...).bind(model) needs a torch.nn.Module, got {type(model).__name__}.",
+                code="not_a_module",
+                remedy="Bind the model itself: bl.when(site, edit).bind(model).")
         self.model = model
         self.interventions = interventions
         self._gradient = any(part.gradient for i in interventions for part in i.site.parts())
