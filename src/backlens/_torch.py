@@ -160,6 +160,17 @@ def install_engine_wrapper(wrapper_factory: Callable[[Callable[..., Any]], Calla
     return True
 
 
+def uninstall_engine_wrapper() -> None:
+    """Put torch's own ``_engine_run_backward`` back under both names (when backlens's is there)."""
+    current = getattr(torch.autograd.graph, "_engine_run_backward", None)
+    original = getattr(current, "__wrapped__", None)
+    if not getattr(current, "__backlens_wrapper__", False) or original is None:
+        return
+    torch.autograd.graph._engine_run_backward = original
+    if getattr(torch.autograd, "_engine_run_backward", None) is current:
+        torch.autograd._engine_run_backward = original
+
+
 def engine_wrapper_installed() -> bool:
     return bool(getattr(getattr(torch.autograd, "_engine_run_backward", None), "__backlens_wrapper__", False))
 
@@ -428,3 +439,127 @@ def compiled_original(module: Any) -> torch.nn.Module | None:
     if isinstance(original, torch.nn.Module) and type(module).__module__.startswith("torch._dynamo"):
         return original
     return None
+
+
+# torch's mode stacks ---------------------------------------------------------
+# Entering a mode is several Python lines in torch (flags, then the push); a
+# KeyboardInterrupt between them, or before a `with` statement has registered
+# the exit, would leave the mode on torch's global stack for good. These
+# contexts record the stack depth before entering and, on the way out, pop
+# back to it and restore torch's flags, run to completion (backlens._fence).
+
+from contextlib import contextmanager  # noqa: E402
+
+import torch.utils._python_dispatch as _python_dispatch  # noqa: E402
+
+from backlens._fence import complete  # noqa: E402
+
+_len_function_stack = _lookup(torch._C, "_len_torch_function_stack")
+_pop_function_stack = _lookup(torch._C, "_pop_torch_function_stack")
+_function_stack_at = _lookup(torch._C, "_get_function_stack_at")
+_len_dispatch_stack = _lookup(torch._C, "_len_torch_dispatch_stack")
+_pop_dispatch_stack = _lookup(torch._C, "_pop_torch_dispatch_stack")
+_dispatch_stack_at = _lookup(torch._C, "_get_dispatch_stack_at")
+_DISPATCH_FLAGS = ("_is_in_torch_dispatch_mode", "_is_in_non_infra_torch_dispatch_mode",
+                   "_is_in_any_mode_without_ignore_compile_internals")
+_DISPATCH_FLAG_DEQUES = ("old_dispatch_mode_flags", "old_non_infra_dispatch_mode_flags",
+                         "old_without_ignore_compile_internals_dispatch_mode_flags")
+_set_compile_internals_flag = getattr(_python_dispatch, "set_is_in_mode_without_ignore_compile_internals", None)
+
+HAS_MODE_STACKS = None not in (_len_function_stack, _pop_function_stack, _function_stack_at,
+                               _len_dispatch_stack, _pop_dispatch_stack, _dispatch_stack_at)
+HAS_DISPATCH_MODE_FLAGS = all(hasattr(_python_dispatch, name) for name in _DISPATCH_FLAGS)
+
+CAPABILITIES = (
+    *CAPABILITIES,
+    Capability(
+        "HAS_MODE_STACKS",
+        HAS_MODE_STACKS,
+        "taking backlens's modes off torch's mode stacks also when a Ctrl-C interrupts entering or leaving them",
+        "modes are left with `with` alone; a Ctrl-C at the wrong moment can leave one installed",
+    ),
+)
+
+
+def mode_stack_depths() -> tuple[int, int]:
+    """How many torch function modes and torch dispatch modes are active now."""
+    if not HAS_MODE_STACKS:
+        return (0, 0)
+    return (_len_function_stack(), _len_dispatch_stack())
+
+
+@contextmanager
+def function_mode(mode: Any):
+    """Hold a ``TorchFunctionMode`` active; leaving, torch's function mode stack is back where it was."""
+    if not HAS_MODE_STACKS:
+        with mode:
+            yield mode
+        return
+    depth = _len_function_stack()
+
+    def leave() -> None:
+        while _len_function_stack() > depth and _function_stack_at(_len_function_stack() - 1) is mode:
+            _pop_function_stack()
+
+    try:
+        mode.__enter__()
+        yield mode
+    finally:
+        complete(leave)
+
+
+@contextmanager
+def dispatch_mode(mode: Any):
+    """Hold a ``TorchDispatchMode`` active; leaving, torch's dispatch mode stack and the flags its
+    ``__enter__`` sets are back where they were."""
+    if not (HAS_MODE_STACKS and HAS_DISPATCH_MODE_FLAGS):
+        with mode:
+            yield mode
+        return
+    depth = _len_dispatch_stack()
+    flags = {name: getattr(_python_dispatch, name) for name in _DISPATCH_FLAGS}
+    lengths = {name: len(getattr(mode, name, ())) for name in _DISPATCH_FLAG_DEQUES}
+
+    def leave() -> None:
+        while _len_dispatch_stack() > depth and _dispatch_stack_at(_len_dispatch_stack() - 1) is mode:
+            _pop_dispatch_stack(None)
+        for name, value in flags.items():
+            setattr(_python_dispatch, name, value)
+        if _set_compile_internals_flag is not None:
+            _set_compile_internals_flag(flags["_is_in_any_mode_without_ignore_compile_internals"])
+        for name, length in lengths.items():
+            saved = getattr(mode, name, None)
+            while saved is not None and len(saved) > length:
+                saved.pop()
+
+    try:
+        mode.__enter__()
+        yield mode
+    finally:
+        complete(leave)
+
+
+def _recompute_dispatch_flags() -> None:
+    """torch's in-a-dispatch-mode flags, as the modes left on its stack make them."""
+    modes = [_dispatch_stack_at(i) for i in range(_len_dispatch_stack())]
+    _python_dispatch._is_in_torch_dispatch_mode = bool(modes)
+    _python_dispatch._is_in_non_infra_torch_dispatch_mode = any(
+        not getattr(m, "is_infra_mode", lambda: False)() for m in modes)
+    without = any(not getattr(m, "ignore_compile_internals", lambda: False)() for m in modes)
+    _python_dispatch._is_in_any_mode_without_ignore_compile_internals = without
+    if _set_compile_internals_flag is not None:
+        _set_compile_internals_flag(without)
+
+
+def drop_dispatch_modes(stale: Callable[[Any], bool]) -> int:
+    """Pop dispatch modes that ``stale(mode)`` says were left behind, from the top of torch's
+    stack (a Ctrl-C that cut a cleanup short); returns how many. A mode above them is left alone."""
+    if not (HAS_MODE_STACKS and HAS_DISPATCH_MODE_FLAGS) or not _len_dispatch_stack():
+        return 0
+    dropped = 0
+    while _len_dispatch_stack() and stale(_dispatch_stack_at(_len_dispatch_stack() - 1)):
+        _pop_dispatch_stack(None)
+        dropped += 1
+    if dropped:
+        _recompute_dispatch_flags()
+    return dropped

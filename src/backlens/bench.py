@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from backlens import _args
 from backlens._pandas import data_frame
 from backlens._progress import progress
 from backlens.capturing import capture
@@ -161,9 +162,16 @@ def backward(
     keyword arguments. ``loss_fn(output) -> scalar`` (default: the output
     itself, which must then be a scalar tensor).
     """
-    if repeats < 1 or warmup < 0:
-        raise UnsupportedInputError("bench.backward needs repeats >= 1 and warmup >= 0.",
-                                    code="bad_repeats", remedy="Pass repeats=1 or more and warmup=0 or more.")
+    if not isinstance(model, torch.nn.Module):
+        raise UnsupportedInputError(f"bl.bench.backward needs a torch.nn.Module, got {type(model).__name__}.",
+                                    code="not_a_module",
+                                    remedy="Pass the model first: bl.bench.backward(model, x, loss_fn).")
+    if loss_fn is not None:
+        _args.callable_(loss_fn, "loss_fn", "bl.bench.backward", "lambda out: out.sum()")
+    for name, value, low in (("repeats", repeats, 1), ("warmup", warmup, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise UnsupportedInputError(f"bl.bench.backward: {name} must be an integer >= {low}, got {value!r}.",
+                                        code="bad_repeats", remedy="Pass repeats=1 or more and warmup=0 or more.")
     args, kwargs = _split_inputs(inputs)
     leaves = [p for p in model.parameters()] + [t for t in _tensors(args, kwargs) if t.is_leaf and t.requires_grad]
     original_grads = [t.grad for t in leaves]

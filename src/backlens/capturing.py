@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
-from backlens import _torch
+from backlens import _args, _torch
 from backlens._distributed import rank_and_world_size
+from backlens._fence import complete
 from backlens._nested import iter_named_tensors, iter_tensors
 from backlens.capture.backward import BackwardRecorder
 from backlens.capture.collectives import CollectiveRecorder
@@ -32,7 +33,7 @@ from backlens.capture.unmatched import UnmatchedSelectorWarner, warn_if_no_activ
 from backlens.cost.checkpoint_witness import COMPILED_OPAQUE, CheckpointWitness
 from backlens.cost.forward_count import FlopForwardRecorder
 from backlens.cost.journal import CostJournal
-from backlens.cost.observer import FlopObserver
+from backlens.cost.observer import FlopObserver, census_left_behind
 from backlens.derive.bundle import is_derived
 from backlens.derive.bundle import load as load_derived
 from backlens.derive.frameworks import refuse_other_framework
@@ -47,8 +48,15 @@ from backlens.errors import (
 from backlens.graph import engine
 from backlens.io.bundle import BundleInfo, read_bundle, save_state
 from backlens.io.disk_store import make_store
+from backlens.io.replace import recover
 from backlens.records.capture import CaptureRecords
 from backlens.report.failures import PassFailures
+
+# The options of bl.capture: a keyword close to one of these is a typo, not the model's.
+CAPTURE_OPTIONS = ("save_grads", "save_activations", "storage", "flops", "timing", "intervene", "backward",
+                   "detect_nonfinite", "compiled")
+# What cap.backward passes on to torch.autograd.backward.
+BACKWARD_OPTIONS = ("grad_tensors", "retain_graph", "create_graph", "inputs")
 
 
 def capture(
@@ -79,18 +87,27 @@ def capture(
             code="not_a_module",
             remedy="Wrap the callable in an nn.Module (its forward calls the function) and capture that.",
         )
+    _torch.drop_dispatch_modes(census_left_behind)  # what an interrupted earlier pass may have left
+    # Every option is checked before anything runs or is created (a to_disk directory).
     check_compiled_mode(compiled)
+    forward = (_torch.compiled_original(model) or model).forward
+    _args.no_mistyped_options(kwargs, CAPTURE_OPTIONS, forward, "bl.capture")
+    for name, value in (("flops", flops), ("timing", timing), ("backward", backward),
+                        ("detect_nonfinite", detect_nonfinite)):
+        _args.flag(value, name, "bl.capture")
+    policy = GradPolicy(save_grads)
+    activations = ActivationPolicy(save_activations)
+    interventions = as_interventions(intervene)
     compiled_model, opaque = model, is_opaque(model, compiled)
     model = original_module(model, compiled)  # a compiled model's own modules and parameters
     # The forward, recorded into the state's journal.
     state = CaptureState(make_store(storage))
-    policy = GradPolicy(save_grads)
-    armed = ArmedEdits(as_interventions(intervene), state.forward_edits)
+    armed = ArmedEdits(interventions, state.forward_edits)
     armed.check_backward(backward)
     journal = state.journal
     # flops=True: the recorder also counts or notes the ops that may carry FLOPs (no dispatch mode).
     recorder = (FlopForwardRecorder if flops else ForwardRecorder)(
-        state, ActivationPolicy(save_activations), op_hook=armed.op_hook(state) if armed.activation else None
+        state, activations, op_hook=armed.op_hook(state) if armed.activation else None
     )
     if armed.edits_module_outputs:
         recorder.module_output_hook = armed.module_hook
@@ -111,12 +128,15 @@ def capture(
         witness.journal.add_reason(COMPILED_OPAQUE)
         output = run_opaque(journal, compiled_model, args, kwargs)
     else:
-        recorder.attach(addresses, module_types)
+        # Everything the forward installs in torch (the module-call wrapper, the function
+        # mode, the checkpoint witness) is installed inside this try and removed in its
+        # finally, also on Ctrl-C.
         try:
-            with witness, recorder:
+            recorder.attach(addresses, module_types)
+            with witness, _torch.function_mode(recorder):
                 output = model(*args, **kwargs)
         finally:
-            recorder.detach()
+            complete(lambda: (recorder.detach(), witness.leave()))
     journal.seq_end = _torch.sequence_nr()
     recorder.finish(output)
     warn_if_no_activation_kept(save_activations, journal)
@@ -178,9 +198,13 @@ def load(path: str | os.PathLike, *, verify: bool = True) -> LoadedCapture | Ran
 
     A directory of rank bundles (``bl.to_disk("run/rank{rank}")`` on every rank
     of a distributed run) reads as a :class:`RankSet` (API.md §10,
-    docs/distributed.md). ``verify=False`` skips hashing the shards (faster for
-    very large bundles); sizes and headers are still checked.
+    docs/distributed.md). ``verify=False`` skips hashing the shards up front
+    (faster for very large bundles); sizes and headers are still checked, and
+    each tensor is checked against its sha256 when first read.
     """
+    _args.path(path, "path", "bl.load", "bl.load('runs/capture1')")
+    _args.flag(verify, "verify", "bl.load")
+    recover(Path(path))  # a replacement that died between its two renames: the old bundle goes back
     if is_derived(path):
         return load_derived(path, verify=verify)
     if rank_bundle_dirs(path) is not None:
@@ -286,15 +310,31 @@ class Capture(CaptureRecords):
     def backward(self, loss: torch.Tensor | None = None, *, save_grads: Any = None, **backward_kwargs: Any) -> None:
         """Run ``torch.autograd.backward(loss)`` as one recorded pass.
 
-        ``save_grads`` widens or narrows the save policy for this pass only.
+        ``save_grads`` widens or narrows the save policy for this pass only;
+        ``backward_kwargs`` (``retain_graph``, ``create_graph``, ``inputs``,
+        ``grad_tensors``) go to autograd.
         """
+        if loss is not None and not isinstance(loss, torch.Tensor):
+            raise UnsupportedInputError(
+                f"cap.backward: loss must be a tensor, got {type(loss).__name__}.", code="bad_argument",
+                remedy="Pass the loss tensor, cap.backward(loss), or nothing when the output is a scalar.")
+        for key in backward_kwargs:
+            if key not in BACKWARD_OPTIONS:
+                option = _args.close_option(key, [*BACKWARD_OPTIONS, "save_grads"])
+                hint = f"; did you mean {option}=?" if option else ""
+                raise UnsupportedInputError(
+                    f"cap.backward: unknown option {key}={hint} It takes save_grads= and autograd's "
+                    f"{', '.join(BACKWARD_OPTIONS)}.",
+                    code="mistyped_option" if option else "unknown_option",
+                    remedy=f"Spell it {option}=." if option else "Drop it, or pass one of the options named.")
+        policy = GradPolicy(save_grads) if save_grads is not None else None
         self._check_backward_available()
         if loss is None:
             loss = self._default_loss()
         recorder = self._state.recorder
         if recorder.armed and not engine.reaches(recorder, loss):
             raise _foreign_loss()
-        recorder.use_policy_for_next_pass(GradPolicy(save_grads) if save_grads is not None else None)
+        recorder.use_policy_for_next_pass(policy)
         engine.set_trigger_override("cap.backward")
         try:
             torch.autograd.backward(loss, **backward_kwargs)
@@ -304,6 +344,13 @@ class Capture(CaptureRecords):
 
     def _check_backward_available(self) -> None:
         state = self._state
+        if state.interrupted is not None:
+            raise CaptureClosedError(
+                f"This capture stopped recording: {state.interrupted} (a Ctrl-C or an error at that "
+                "moment), so its records could disagree with the graph; it removed its hooks.",
+                code="capture_interrupted",
+                remedy="Make a new capture with bl.capture(...); the records so far stay readable.",
+            )
         if state.closed:
             raise CaptureClosedError(
                 "This capture was closed; its hooks are gone, so it cannot record a backward.",
@@ -346,6 +393,10 @@ class Capture(CaptureRecords):
         """
         if self._rerun is None or self._model is None:
             raise CaptureClosedError("This capture cannot rerun its forward (closed or loaded from disk).")
+        armed_here = when(site, edit)
+        _args.flag(differentiable, "differentiable", "cap.do")
+        if loss is not None:
+            _args.callable_(loss, "loss", "cap.do", "loss=lambda c: c.output.sum()")
         args, kwargs, options, intervene = self._rerun
         if differentiable:
             if inputs is not None:
@@ -360,7 +411,7 @@ class Capture(CaptureRecords):
         else:
             if inputs is not None:
                 args = inputs if isinstance(inputs, tuple) else (inputs,)
-            armed = [*as_interventions(intervene), when(site, edit)]
+            armed = [*as_interventions(intervene), armed_here]
             new = capture(self._model, *args, intervene=armed, **options, **kwargs)
         if loss is not None:
             new.backward(loss(new))
@@ -378,6 +429,9 @@ class Capture(CaptureRecords):
 
     def save(self, path: str | os.PathLike | None = None, *, overwrite: bool = False) -> Path:
         """Write this capture as a bundle directory (API.md §6, docs/bundles.md); returns its path."""
+        if path is not None:
+            _args.path(path, "path", "cap.save", "cap.save('runs/capture1')")
+        _args.flag(overwrite, "overwrite", "cap.save")
         return save_state(self._state, path, overwrite=overwrite)
 
     def close(self) -> None:

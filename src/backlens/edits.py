@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from backlens.errors import BacklensError
+from backlens import _args
+from backlens.errors import BacklensError, UnsupportedInputError
 
 __all__ = [
     "EditContext",
@@ -82,7 +83,10 @@ def as_site(value: Any) -> Site:
         return value
     if isinstance(value, str) or hasattr(value, "matches"):
         return Site((value,), gradient=False)
-    raise TypeError(f"an edit site is a label, a module address, bl.grad(...) or a selector, not {value!r}")
+    raise UnsupportedInputError(
+        f"An edit site is an op label, a module address, bl.grad(...) or a selector, not {value!r} "
+        f"({type(value).__name__}).", code="bad_site",
+        remedy="Pass e.g. 'relu_1', 'encoder.layer.0', bl.grad('relu_1') or bl.func('relu').")
 
 
 def grad(target: Any) -> Site:
@@ -108,6 +112,8 @@ class Edit:
 
 
 def scale(factor: float) -> Edit:
+    """Multiply by ``factor`` (a number)."""
+    _args.number(factor, "factor", "bl.scale", example="0.5")
     return Edit(f"scale({factor!r})", lambda v, ctx: v * factor)
 
 
@@ -116,11 +122,23 @@ def zero_ablate() -> Edit:
 
 
 def clamp(min: float | None = None, max: float | None = None) -> Edit:  # noqa: A002 - torch's names
+    """Clamp into ``[min, max]`` (either bound may be None, not both)."""
+    for name, bound in (("min", min), ("max", max)):
+        if bound is not None:
+            _args.number(bound, name, "bl.clamp", example="-1.0, 1.0")
+    if min is None and max is None:
+        raise UnsupportedInputError("bl.clamp needs min or max (or both).", code="bad_argument",
+                                    remedy="Pass e.g. bl.clamp(-1.0, 1.0) or bl.clamp(max=1.0).")
+    if min is not None and max is not None and float(min) > float(max):
+        raise UnsupportedInputError(f"bl.clamp: min ({min!r}) is above max ({max!r}).", code="bad_argument",
+                                    remedy="Pass min <= max, e.g. bl.clamp(-1.0, 1.0).")
     return Edit(f"clamp({min!r}, {max!r})", lambda v, ctx: v.clamp(min=min, max=max))
 
 
 def add_noise(std: float, *, seed: int = 0) -> Edit:
     """Gaussian noise; the k-th application in a capture draws from ``seed + k``."""
+    _args.number(std, "std", "bl.add_noise", low=0.0, finite=True, example="0.1")
+    _args.integer(seed, "seed", "bl.add_noise", low=0, example="0")
 
     def apply(value: torch.Tensor, ctx: EditContext) -> torch.Tensor:
         generator = torch.Generator(device=value.device).manual_seed(seed + ctx.application)
@@ -131,7 +149,8 @@ def add_noise(std: float, *, seed: int = 0) -> Edit:
 
 
 def clip_norm(max_norm: float) -> Edit:
-    """Rescale so the tensor's 2-norm is at most ``max_norm``."""
+    """Rescale so the tensor's 2-norm is at most ``max_norm`` (0 or more)."""
+    _args.number(max_norm, "max_norm", "bl.clip_norm", low=0.0, finite=True, example="1.0")
 
     def apply(value: torch.Tensor, ctx: EditContext) -> torch.Tensor:
         norm = value.detach().float().norm()
@@ -184,7 +203,10 @@ def as_edit(value: Any) -> Edit:
     if callable(value):
         name = getattr(value, "__name__", type(value).__name__)
         return Edit(f"{name}(...)", lambda v, ctx: value(v, ctx=ctx))
-    raise TypeError(f"an edit is bl.scale(...), bl.zero_ablate(), ... or a callable fn(value, *, ctx), not {value!r}")
+    raise UnsupportedInputError(
+        f"An edit is bl.scale(...), bl.zero_ablate(), ... or a callable fn(value, *, ctx), not {value!r} "
+        f"({type(value).__name__}).", code="bad_edit",
+        remedy="Pass e.g. bl.scale(0.5), or a function taking the tensor and ctx= and returning a tensor.")
 
 
 # -- arming ----------------------------------------------------------------
@@ -229,6 +251,11 @@ class BoundModel:
     """
 
     def __init__(self, model: torch.nn.Module, interventions: list[Intervention]):
+        if not isinstance(model, torch.nn.Module):
+            raise UnsupportedInputError(
+                f"bl.when(...).bind(model) needs a torch.nn.Module, got {type(model).__name__}.",
+                code="not_a_module",
+                remedy="Bind the model itself: bl.when(site, edit).bind(model).")
         self.model = model
         self.interventions = interventions
         self._gradient = any(part.gradient for i in interventions for part in i.site.parts())
@@ -265,7 +292,10 @@ def as_interventions(value: Any) -> list[Intervention]:
         for item in value:
             items.extend(as_interventions(item))
         return items
-    raise TypeError(f"intervene= takes bl.when(site, edit), a | of them, or a list, not {value!r}")
+    raise UnsupportedInputError(
+        f"intervene= takes bl.when(site, edit), a | of them, or a list of them, not {value!r} "
+        f"({type(value).__name__}).", code="bad_intervention",
+        remedy="Pass e.g. intervene=bl.when(bl.grad('relu_1'), bl.scale(0.5)).")
 
 
 def apply_checked(edit: Edit, value: torch.Tensor, ctx: EditContext) -> torch.Tensor:

@@ -103,8 +103,9 @@ class CaptureClosedError(BacklensError, RuntimeError):
     remedy = "Make a new capture with bl.capture(...)."
 
 
-class LabelNotFoundError(BacklensError, KeyError):
-    """A label, address or name matched no record."""
+class LabelNotFoundError(BacklensError, KeyError, IndexError):
+    """A label, address or name matched no record (also a position past a list's end:
+    it is an ``IndexError`` too)."""
 
     code = "label_not_found"
     remedy = "Use one of the labels listed in the message."
@@ -148,8 +149,11 @@ class TraceError(BacklensError, RuntimeError):
     remedy = "See the message above."
 
 
-class UnsupportedInputError(BacklensError, ValueError):
-    """An argument backlens cannot work with (wrong type, uncombinable batch)."""
+class UnsupportedInputError(BacklensError, ValueError, TypeError):
+    """An argument backlens cannot work with (wrong type or value, uncombinable batch).
+
+    Both a ``ValueError`` and a ``TypeError``: a wrong value and a wrong type
+    are caught as Python code would catch them."""
 
     code = "unsupported_input"
     remedy = "Pass the kind of value the message names."

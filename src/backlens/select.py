@@ -54,14 +54,10 @@ class Selector:
         raise NotImplementedError
 
     def __and__(self, other: Any) -> Selector:
-        if not isinstance(other, Selector):
-            return NotImplemented
-        return _All(_flatten(_All, (self, other)))
+        return _All(_flatten(_All, (self, _selector(other, "&"))))
 
     def __or__(self, other: Any) -> Selector:
-        if not isinstance(other, Selector):
-            return NotImplemented
-        return _Any(_flatten(_Any, (self, other)))
+        return _Any(_flatten(_Any, (self, _selector(other, "|"))))
 
     def __invert__(self) -> Selector:
         if isinstance(self, _Not):
@@ -86,6 +82,15 @@ class Selector:
 
     def __hash__(self) -> int:
         return hash(repr(self))
+
+
+def _selector(other: Any, operator: str) -> Selector:
+    if not isinstance(other, Selector):
+        raise UnsupportedInputError(
+            f"Selectors combine with other selectors: cannot {operator} a selector with {other!r} "
+            f"({type(other).__name__}).", code="bad_selector",
+            remedy="Combine selectors such as bl.func('relu') & bl.in_pass(2); a label needs bl.label('...').")
+    return other
 
 
 # -- what an object stands for --------------------------------------------------
@@ -500,36 +505,64 @@ class _Opaque(Selector):
         return self.text
 
 
-def selector_from_json(data: dict[str, Any]) -> Selector:
-    """Rebuild a selector from ``Selector.to_json()`` (raises ValueError on bad data)."""
+_MAX_SELECTOR_DEPTH = 32
+_JSON_KEYS = {
+    "func": {"kind", "names"}, "label": {"kind", "names"}, "module": {"kind", "names"},
+    "grad_fn": {"kind", "type", "label"}, "without_op": {"kind"}, "grad_input": {"kind"},
+    "grad_output": {"kind"}, "in_pass": {"kind", "numbers"}, "all": {"kind", "items"},
+    "any": {"kind", "items"}, "not": {"kind", "item"}, "opaque": {"kind", "repr"},
+}
+
+
+def selector_from_json(data: dict[str, Any], _depth: int = 0) -> Selector:
+    """Rebuild a selector from ``Selector.to_json()``: a closed set of kinds, every field
+    checked (ValueError on anything else, also on nesting deeper than 32)."""
+    if _depth > _MAX_SELECTOR_DEPTH:
+        raise ValueError(f"a selector nested more than {_MAX_SELECTOR_DEPTH} deep")
     if not isinstance(data, dict):
         raise ValueError(f"a selector must be an object, got {type(data).__name__}")
     kind = data.get("kind")
+    if not isinstance(kind, str) or kind not in _JSON_KEYS:
+        raise ValueError(f"unknown selector kind {str(kind)[:80]!r}")
+    if set(data) != _JSON_KEYS[kind]:
+        raise ValueError(f"a {kind} selector has fields {sorted(_JSON_KEYS[kind])}, got {sorted(data)[:10]}")
     if kind == "func":
         return _Func(tuple(_strings(data["names"])))
     if kind == "label":
         return _Label(tuple(_strings(data["names"])))
     if kind == "module":
-        return _Module(tuple(_strings(data["names"])))
+        return _Module(tuple(_strings(data["names"], empty_ok=True)))
     if kind == "grad_fn":
-        return _GradFn(data.get("type"), data.get("label"))
+        type_name, part = data["type"], data["label"]
+        if (type_name is None and part is None) or not all(v is None or (isinstance(v, str) and v)
+                                                           for v in (type_name, part)):
+            raise ValueError("a grad_fn selector needs a non-empty type or label string")
+        return _GradFn(type_name, part)
     if kind == "without_op":
         return _WithoutOp()
     if kind in ("grad_input", "grad_output"):
         return _Side(kind)
     if kind == "in_pass":
-        return in_pass(*data["numbers"])
+        numbers = data["numbers"]
+        if not isinstance(numbers, list) or not numbers or not all(
+                type(k) is int and 1 <= k < 2**63 for k in numbers):
+            raise ValueError("in_pass numbers must be a non-empty list of integers >= 1")
+        return _InPass(tuple(numbers))
     if kind in ("all", "any"):
-        items = tuple(selector_from_json(item) for item in data["items"])
-        return _All(items) if kind == "all" else _Any(items)
+        items = data["items"]
+        if not isinstance(items, list) or not items:
+            raise ValueError(f"an {kind} selector needs a non-empty list of items")
+        rebuilt = tuple(selector_from_json(item, _depth + 1) for item in items)
+        return _All(rebuilt) if kind == "all" else _Any(rebuilt)
     if kind == "not":
-        return _Not(selector_from_json(data["item"]))
-    if kind == "opaque":
-        return _Opaque(str(data["repr"]))
-    raise ValueError(f"unknown selector kind {kind!r}")
+        return _Not(selector_from_json(data["item"], _depth + 1))
+    if not isinstance(data["repr"], str):
+        raise ValueError("an opaque selector's repr must be a string")
+    return _Opaque(data["repr"])
 
 
-def _strings(values: Any) -> list[str]:
-    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
-        raise ValueError("selector names must be a list of strings")
+def _strings(values: Any, empty_ok: bool = False) -> list[str]:
+    if not isinstance(values, list) or not values or not all(
+            isinstance(v, str) and (v or empty_ok) for v in values):
+        raise ValueError("selector names must be a non-empty list of strings")
     return values

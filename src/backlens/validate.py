@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 
+from backlens import _args
 from backlens._nested import first_tensor
 from backlens.capturing import capture
-from backlens.errors import BacklensWarning
+from backlens.errors import BacklensWarning, UnsupportedInputError
 from backlens.graph.labels import CALL_LABEL_PATTERN, NODE_LABEL_PATTERN
 
 _OP_LABEL = re.compile(r"^.+_\d+$")
@@ -57,6 +58,12 @@ def validate(
     or a single tensor. ``loss_fn`` receives the model's own output object in
     both runs.
     """
+    if not isinstance(model, torch.nn.Module):
+        raise UnsupportedInputError(f"bl.validate needs a torch.nn.Module, got {type(model).__name__}.",
+                                    code="not_a_module", remedy="Pass the model first: bl.validate(model, x, loss_fn).")
+    _args.callable_(loss_fn, "loss_fn", "bl.validate", "lambda out: out.sum()")
+    _args.flag(validate_layer_grads, "validate_layer_grads", "bl.validate")
+    _args.integer(seed, "seed", "bl.validate", low=0, example="0")
     args, kwargs = _split_inputs(inputs)
     saved_grads = {name: p.grad for name, p in model.named_parameters()}
     children = [address for address, _ in model.named_modules() if address]
@@ -111,8 +118,10 @@ def _stock_run(model, args, kwargs, loss_fn, children, seed):
                 first.register_hook(lambda g: module_grads.setdefault(call, []).append(g))
         return hook
 
-    handles = [modules[a].register_forward_hook(keep(a)) for a in children]
-    try:
+    handles = []
+    try:  # registered inside the try: a Ctrl-C between two registrations leaves none behind
+        for address in children:
+            handles.append(modules[address].register_forward_hook(keep(address)))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             output = model(*args, **kwargs)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import tiny_factories
+import torch
 
 import backlens as bl
 from trace_checks import parents_of, validate_trace
@@ -193,6 +194,16 @@ def test_an_unreadable_bundle_gets_one_clear_line(tmp_path):
     (tmp_path / "junk").mkdir()
     (tmp_path / "junk" / "manifest.json").write_text("{not json")
     assert_one_clear_line(run("show", str(tmp_path / "junk")), "BundleError", "manifest.json")
+
+
+def test_a_hostile_bundle_gets_one_line_naming_the_file(tmp_path):
+    cap = bl.capture(torch.nn.Linear(3, 2), torch.randn(2, 3), save_grads=True)
+    cap.output.sum().backward()
+    path = cap.save(tmp_path / "b")
+    shard = next(path.glob("*.safetensors"))
+    shard.unlink()
+    shard.symlink_to("/dev/zero")
+    assert_one_clear_line(run("show", str(path)), "BundleError", str(shard), "symlink")
 
 
 def test_debug_shows_the_traceback():

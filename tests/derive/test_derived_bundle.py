@@ -111,7 +111,7 @@ def test_a_failed_save_leaves_the_old_bundle_in_place(tmp_path, jax_grads, monke
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(derived_bundle, "_move_into_place", disk_full)
+    monkeypatch.setattr(derived_bundle, "put_in_place", disk_full)
     with pytest.raises(bl.BundleError) as info:
         jax_grads.save(path, overwrite=True)
     assert info.value.code == "bundle_write_failed"
@@ -144,7 +144,7 @@ DAMAGE = {
     "flipped tensor byte": (_flip_last_byte, "sha256 mismatch"),
     "truncated tensors": (lambda p: (p / "tensors.safetensors").write_bytes(
         (p / "tensors.safetensors").read_bytes()[:-10]), "truncated"),
-    "missing tensors": (lambda p: (p / "tensors.safetensors").unlink(), "cannot read"),
+    "missing tensors": (lambda p: (p / "tensors.safetensors").unlink(), "missing"),
     "symlinked tensors": (_replace_with_symlink, "symlink"),
     "not json": (lambda p: (p / "manifest.json").write_text('{"format": "backlens.derived", "kind": "derived"'),
                  "malformed JSON"),
@@ -186,3 +186,10 @@ def test_a_large_manifest_is_recognised_by_its_opening(tmp_path, jax_grads, monk
     monkeypatch.setattr(derived_bundle, "_PARSE_WHOLE_BELOW", 64)
     assert derived_bundle.is_derived(path)
     assert_same_record(bl.load(path), jax_grads)
+
+
+def test_a_derived_bundle_replacement_cut_between_its_renames_is_restored_by_load(tmp_path, jax_grads):
+    path = jax_grads.save(tmp_path / "derived")
+    os.rename(path, tmp_path / ".derived.old-0123456789ab")  # what a kill after the first rename leaves
+    assert_same_record(bl.load(path), jax_grads)
+    assert [p.name for p in tmp_path.iterdir()] == ["derived"]

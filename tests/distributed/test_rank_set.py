@@ -103,3 +103,21 @@ def test_backlens_show_writes_one_timeline_with_a_process_per_rank(world, tmp_pa
     names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
     assert names == {1: "rank 0", 2: "rank 1"}
     assert {e["pid"] for e in events if e.get("cat") == "collective"} == {1, 2}
+
+
+@pytest.mark.parametrize(("call", "code", "kind"), [
+    (lambda ranks: ranks[WORLD_SIZE], "label_not_found", IndexError),
+    (lambda ranks: ranks["0"], "bad_argument", TypeError),
+    (lambda ranks: ranks.cost_tree(pass_=0), "bad_pass_number", ValueError),
+], ids=["rank_past_the_world", "rank_a_string", "cost_tree_pass_zero"])
+def test_a_rank_set_checks_its_arguments_at_the_call(world, call, code, kind):
+    ranks = bl.load(world.path / "ddp_mlp")
+    with pytest.raises(bl.BacklensError) as caught:
+        call(ranks)
+    assert caught.value.code == code and isinstance(caught.value, kind)
+
+
+def test_loading_a_rank_set_checks_verify_before_reading_a_bundle(world):
+    with pytest.raises(bl.UnsupportedInputError) as caught:
+        bl.load(world.path / "ddp_mlp", verify="yes")
+    assert caught.value.code == "bad_argument"

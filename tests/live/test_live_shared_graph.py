@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from live_helpers import assert_clean
@@ -121,3 +123,21 @@ def test_without_keep_graph_a_retained_graph_outlives_the_trace(mlp, lens, two):
             pass
     out.sum().backward()  # stock: the user retained it
     assert mlp.fc1.weight.grad is not None
+
+
+def test_the_engine_is_watched_only_while_a_trace_runs(mlp, lens, two):
+    from backlens import _torch
+    from backlens.graph import engine
+    from backlens.live import freed
+
+    seen = []
+    with lens.trace(two[0]):
+        seen.append((engine.observing(freed._on_engine_run), _torch.engine_wrapper_installed()))
+        with lens.output.sum().backward():
+            pass
+    assert seen == [(True, True)]
+    assert not engine.observing(freed._on_engine_run)
+    gc.collect()
+    if not engine._live_participants():  # a capture another test still holds keeps the wrapper
+        assert not _torch.engine_wrapper_installed()
+    assert_clean(mlp)

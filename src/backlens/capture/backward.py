@@ -31,9 +31,12 @@ from typing import Any
 import torch
 
 from backlens import _torch
+from backlens._fence import complete
+from backlens._warn import warn
 from backlens.capture.policy import GRAD_INPUT, GRAD_OUTPUT, GradPolicy, GradSite
 from backlens.capture.state import CallEntry, CaptureState, PassEntry
 from backlens.capture.views import InputNode, NodeView
+from backlens.errors import NonFiniteGradError
 from backlens.graph import engine
 from backlens.graph.discovery import walk_bounded
 
@@ -139,6 +142,33 @@ class BackwardRecorder:
         self.failures.forget()
         self._input_tensors = []
 
+    def _interrupted(self) -> None:
+        """Adding nodes was cut short: the node table and the lists beside it may disagree,
+        so the capture stops recording (its hooks go) and later ``cap.backward()`` calls raise."""
+        state = self._state()
+        if state is not None and state.interrupted is None:
+            state.interrupted = "adding autograd nodes to the capture was interrupted"
+
+        def stop() -> None:
+            self.remove_hooks()
+            self.table.repair()
+            del self.node_calls[len(self.table):]
+            self.node_calls.extend([[] for _ in range(len(self.table) - len(self.node_calls))])
+
+        complete(stop)
+
+    def _recording_failed(self, error: BaseException, pass_: PassEntry | None = None) -> None:
+        """An internal error in a hook: the pass is marked ``recording_failed`` with the cause,
+        a warning says so once per pass, and the user's backward goes on untouched."""
+        pass_ = pass_ if pass_ is not None else self._pass
+        if pass_ is not None and pass_.recording_error is not None:
+            return
+        if pass_ is not None:
+            pass_.recording_error = error
+        where = f"backward pass {pass_.number}" if pass_ is not None else "a backward pass"
+        warn(f"backlens could not record {where} ({type(error).__name__}: {error}); the backward ran unchanged, "
+             "but the records of this pass are incomplete.", "recording_failed", in_hook=True)
+
     # -- discovery -------------------------------------------------------
     def discover_forward(self) -> None:
         """Index the forward's graph: from its outputs down to its parameters' and leaf
@@ -230,23 +260,33 @@ class BackwardRecorder:
         return self._source_ids.get(id(variable)) if variable is not None else None
 
     def _add(self, found: list[Any]) -> list[int]:
+        # Several lists grow together here; one cut short (a Ctrl-C, an error) would
+        # make the capture inconsistent, so it then stops recording (see _interrupted).
+        completed = False
+        try:
+            added = self._add_nodes(found)
+            completed = True
+        finally:
+            if not completed:
+                self._interrupted()
+        return added
+
+    def _add_nodes(self, found: list[Any]) -> list[int]:
         added = self.table.add(found, self._leaf_source)
         node_calls = self.node_calls
         nodes = self.table.nodes
+        node_calls.extend([[] for _ in added])
         if self.hooking:
             handles = self._handles
             sentinels = self._sentinel_nodes  # their sentinel pre-hook serves as theirs
             post_hooked = self._post_hooked
             on_pre, on_post = self._on_pre, self._on_post
             for index in added:
-                node_calls.append([])
                 node = nodes[index]
                 if node not in sentinels:
                     handles.append(node.register_prehook(partial(on_pre, index)))
                 if post_hooked:
                     handles.append(node.register_hook(partial(on_post, index)))
-        else:
-            node_calls.extend([] for _ in added)
         state = self._state()
         if added and state is not None:
             # Relate the new nodes to the forward's tensors while they are held (by
@@ -331,8 +371,20 @@ class BackwardRecorder:
             self._pass = None
         if pass_.status != "running":
             return None
+        try:
+            return self._close_pass(pass_, error)
+        except Warning:
+            raise  # a BacklensWarning the user's filter turned into an error is theirs
+        except Exception as exc:  # noqa: BLE001 - an internal error never reaches the user's backward
+            self._recording_failed(exc, pass_)
+            pass_.status = "failed" if error is not None else "recording_failed"
+            pass_.error = error if error is not None else exc
+            return None
+
+    def _close_pass(self, pass_: PassEntry, error: BaseException | None) -> BaseException | None:
         end = pass_.end_ns = _now()
-        pass_.status = "failed" if error is not None else "ok"
+        recording_error = pass_.recording_error
+        pass_.status = "failed" if error is not None else "recording_failed" if recording_error else "ok"
         still_open = _take_open(pass_.run, self)
         if error is not None:
             if still_open:
@@ -341,7 +393,7 @@ class BackwardRecorder:
         else:
             for entry in still_open:
                 self._finish(entry, end, pass_)
-        pass_.error = error
+        pass_.error = error if error is not None else recording_error
         pass_.seq_end = _sequence_nr()
         state = self._state()
         if state is None:
@@ -426,8 +478,8 @@ class BackwardRecorder:
                 now = _now()
                 for entry in _take_open(pass_.run, self):
                     self._finish(entry, now, pass_)
-        except Exception:  # noqa: BLE001, S110 - never into the engine; close_pass ends them instead
-            pass
+        except Exception as exc:  # noqa: BLE001 - never into the engine; close_pass ends them instead
+            self._recording_failed(exc, pass_)
 
     def charge_wait(self, nanoseconds: int) -> None:
         """Time the rank spent in a collective inside the fire open on this thread: the
@@ -437,87 +489,105 @@ class BackwardRecorder:
             entry.wait_ns += nanoseconds
 
     def _on_sentinel_pre(self, node: Any, grad_outputs: tuple) -> tuple | None:
-        if not self.armed:
-            return None
-        if not self._forward_discovered:
-            self.discover_forward()
-        index = self.table.index_of.get(node)
-        if index is None:
+        try:
+            if not self.armed:
+                return None
+            if not self._forward_discovered:
+                self.discover_forward()
+            index = self.table.index_of.get(node)
+            if index is None:
+                return None
+        except Exception as exc:  # noqa: BLE001 - never abort the user's backward
+            self._recording_failed(exc)
             return None
         return self._on_pre(index, grad_outputs)
 
+    # Hooks keep backlens's own errors out of the user's backward (_recording_failed);
+    # only an edit's error and a non-finite gradient (detect_nonfinite) reach it.
     def _on_pre(self, index: int, grad_outputs: tuple) -> tuple | None:
-        task = _task_id()
-        pass_ = self._pass if task == self._task and self.hooking else self._resolve_pass(index, task)
-        if pass_ is None:
+        try:
+            task = _task_id()
+            pass_ = self._pass if task == self._task and self.hooking else self._resolve_pass(index, task)
+            if pass_ is None:
+                return None
+            now = _now()
+            nodes = self.table.nodes
+            if index >= len(nodes):
+                return None  # the capture closed while this fire was under way
+            node = nodes[index]
+            opened = pass_.run.open
+            thread = _thread()
+            previous = opened.get(thread)
+            if previous is not None and previous[0] is not node:
+                # The engine started another node: the fires on this thread end now, whichever
+                # capture recorded them (a capture's time is its own nodes').
+                del opened[thread]
+                for recorder, entry, entry_pass in previous[1:]:
+                    recorder._finish(entry, now, entry_pass)
+                previous = None
+        except Exception as exc:  # noqa: BLE001
+            self._recording_failed(exc)
             return None
-        now = _now()
-        create_graph = pass_.create_graph
-        nodes = self.table.nodes
-        if index >= len(nodes):
-            return None  # the capture closed while this fire was under way
-        node = nodes[index]
-        opened = pass_.run.open
-        thread = _thread()
-        previous = opened.get(thread)
-        if previous is not None and previous[0] is not node:
-            # The engine started another node: the fires on this thread end now, whichever
-            # capture recorded them (a capture's time is its own nodes').
-            for recorder, entry, entry_pass in previous[1:]:
-                recorder._finish(entry, now, entry_pass)
-            previous = None
         edit = self.pre_edits.get(index)
         replaced = edit(grad_outputs, pass_) if edit is not None else None
-        arriving = replaced if replaced is not None else grad_outputs
-        sides = pass_.sides[index] if index < len(pass_.sides) else 0
-        kept = self.store.keep(self._owned(index, arriving), "grad_outputs") if sides & GRAD_OUTPUT else None
-        entry = CallEntry(
-            index,
-            pass_.number,
-            0,
-            _now() if self.timing else None,  # after the edit and the copies: they are not the node's
-            0,
-            None,
-            kept,
-            _sequence_nr() if create_graph else None,
-        )
-        if previous is None:
-            opened[thread] = [node, (self, entry, pass_)]
-        else:
-            previous.append((self, entry, pass_))  # the same fire, recorded by another capture too
-        if create_graph:
-            for grad in arriving:
-                if grad is not None and grad.grad_fn is not None:
-                    pass_.created_roots.append(grad.grad_fn)
+        try:
+            create_graph = pass_.create_graph
+            arriving = replaced if replaced is not None else grad_outputs
+            sides = pass_.sides[index] if index < len(pass_.sides) else 0
+            kept = self.store.keep(self._owned(index, arriving), "grad_outputs") if sides & GRAD_OUTPUT else None
+            entry = CallEntry(
+                index,
+                pass_.number,
+                0,
+                _now() if self.timing else None,  # after the edit and the copies: they are not the node's
+                0,
+                None,
+                kept,
+                _sequence_nr() if create_graph else None,
+            )
+            if previous is None:
+                opened[thread] = [node, (self, entry, pass_)]
+            else:
+                previous.append((self, entry, pass_))  # the same fire, recorded by another capture too
+            if create_graph:
+                for grad in arriving:
+                    if grad is not None and grad.grad_fn is not None:
+                        pass_.created_roots.append(grad.grad_fn)
+        except Exception as exc:  # noqa: BLE001
+            self._recording_failed(exc, pass_)
         return replaced
 
     def _on_input_pre(self, position: int, output_nr: int, node: Any, grad_outputs: tuple) -> None:
         """A non-leaf input's gradient arrives at its grad_fn (a node of another graph)."""
-        task = _task_id()
-        pass_ = self._pass if task == self._task and self.hooking else None
-        if pass_ is None:
-            if not self.hooking:
-                return None
-            pass_ = engine.pass_for(self, task, node)
+        pass_ = None
+        try:
+            task = _task_id()
+            pass_ = self._pass if task == self._task and self.hooking else None
             if pass_ is None:
+                if not self.hooking:
+                    return None
+                pass_ = engine.pass_for(self, task, node)
+                if pass_ is None:
+                    return None
+                self._task, self._pass = task, pass_
+            opened = pass_.run.open
+            previous = opened.get(_thread())
+            if previous is not None and previous[0] is not node:
+                # Leaving this capture's graph: its last fire ends here, not with foreign work.
+                now = _now()
+                for recorder, entry, entry_pass in previous[1:]:
+                    if recorder is self:
+                        recorder._finish(entry, now, entry_pass)
+                previous[1:] = [item for item in previous[1:] if item[0] is not self]
+                if len(previous) == 1:
+                    del opened[_thread()]
+            grad = grad_outputs[output_nr] if output_nr < len(grad_outputs) else None
+            state = self._state()
+            if grad is None or state is None or position not in pass_.kept_inputs:
                 return None
-            self._task, self._pass = task, pass_
-        opened = pass_.run.open
-        previous = opened.get(_thread())
-        if previous is not None and previous[0] is not node:
-            # Leaving this capture's graph: its last fire ends here, not with foreign work.
-            now = _now()
-            for recorder, entry, entry_pass in previous[1:]:
-                if recorder is self:
-                    recorder._finish(entry, now, entry_pass)
-            previous[1:] = [item for item in previous[1:] if item[0] is not self]
-            if len(previous) == 1:
-                del opened[_thread()]
-        grad = grad_outputs[output_nr] if output_nr < len(grad_outputs) else None
-        state = self._state()
-        if grad is None or state is None or position not in pass_.kept_inputs:
-            return None
-        state.extra_input_grads.append((position, grad, pass_.number))
+            state.extra_input_grads.append((position, grad, pass_.number))
+        except Exception as exc:  # noqa: BLE001 - never abort the user's backward
+            self._recording_failed(exc, pass_)
         return None
 
     def _finish(self, entry: CallEntry, end: int, pass_: PassEntry) -> None:
@@ -534,25 +604,31 @@ class BackwardRecorder:
 
     def _on_post(self, index: int, grad_inputs: tuple, grad_outputs: tuple) -> None:
         began = _now()
-        pass_ = self._current(index)
-        if pass_ is None:
-            return None
-        opened = pass_.run.open.get(_thread())
-        entry = next((e for r, e, _p in opened[1:] if r is self), None) if opened is not None else None
-        if entry is None or entry.node != index:
-            return None
+        pass_ = None
         try:
-            sides = pass_.sides[index] if index < len(pass_.sides) else 0
-            if sides & GRAD_INPUT:
-                entry.grad_inputs = self.store.keep(tuple(grad_inputs), "grad_inputs")
-            if self.detect_nonfinite:
-                self._check_finite(index, pass_, grad_inputs, grad_outputs)
-            if pass_.create_graph:
-                for grad in grad_inputs:
-                    if grad is not None and grad.grad_fn is not None:
-                        pass_.created_roots.append(grad.grad_fn)
-        finally:
-            entry.hook_ns += _now() - began
+            pass_ = self._current(index)
+            if pass_ is None:
+                return None
+            opened = pass_.run.open.get(_thread())
+            entry = next((e for r, e, _p in opened[1:] if r is self), None) if opened is not None else None
+            if entry is None or entry.node != index:
+                return None
+            try:
+                sides = pass_.sides[index] if index < len(pass_.sides) else 0
+                if sides & GRAD_INPUT:
+                    entry.grad_inputs = self.store.keep(tuple(grad_inputs), "grad_inputs")
+                if self.detect_nonfinite:
+                    self._check_finite(index, pass_, grad_inputs, grad_outputs)
+                if pass_.create_graph:
+                    for grad in grad_inputs:
+                        if grad is not None and grad.grad_fn is not None:
+                            pass_.created_roots.append(grad.grad_fn)
+            finally:
+                entry.hook_ns += _now() - began
+        except NonFiniteGradError:
+            raise  # the product: detect_nonfinite stops the backward at the node that made it
+        except Exception as exc:  # noqa: BLE001
+            self._recording_failed(exc, pass_)
         return None
 
     def _owned(self, index: int, grads: tuple) -> tuple:

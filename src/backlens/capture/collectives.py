@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from backlens import _torch
+from backlens._fence import complete
 from backlens.capture.comm_hooks import DdpBucketHook, RecordingComm, ddp_bucket_hook
 from backlens.capture.state import CaptureState, CollectiveEntry, PassEntry
 from backlens.errors import BacklensWarning
@@ -128,8 +129,8 @@ class CollectiveRecorder:
         try:
             try:
                 for hook in self._ddp_hooks:
+                    hooks.append(hook)  # first: the finally then takes out what a Ctrl-C cut short
                     hook.recorders.append((self, pass_))
-                    hooks.append(hook)
                 for fsdp_group in self._fsdp_groups:
                     all_gather, reduce_scatter = _torch.fsdp_comms(fsdp_group.group)
                     swapped.append((fsdp_group.group, all_gather, reduce_scatter))
@@ -144,10 +145,13 @@ class CollectiveRecorder:
                 self.failed(exc)
             yield
         finally:
-            for group, all_gather, reduce_scatter in reversed(swapped):
-                _torch.set_fsdp_comms(group, all_gather, reduce_scatter)
-            for hook in hooks:
-                hook.recorders[:] = [(r, p) for r, p in hook.recorders if not (r is self and p is pass_)]
+            def restore() -> None:  # idempotent: run to completion, also on Ctrl-C
+                for group, all_gather, reduce_scatter in reversed(swapped):
+                    _torch.set_fsdp_comms(group, all_gather, reduce_scatter)
+                for hook in hooks:
+                    hook.recorders[:] = [(r, p) for r, p in hook.recorders if not (r is self and p is pass_)]
+
+            complete(restore)
 
     def on_pass_close(self, state: CaptureState, pass_: PassEntry, error: BaseException | None) -> None:
         """Nothing to finish: a collective's end is written when its work completes."""

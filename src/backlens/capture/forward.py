@@ -15,6 +15,7 @@ op entries are built from those rows when first read.
 from __future__ import annotations
 
 import threading
+import weakref
 from bisect import bisect_right
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -288,6 +289,13 @@ class ActivationPolicy:
     """Which forward outputs to keep: everything, nothing, or a selector."""
 
     def __init__(self, spec: Any):
+        if not (spec is True or spec is False or spec is None or callable(getattr(spec, "matches", None))):
+            from backlens.errors import UnsupportedInputError
+
+            raise UnsupportedInputError(
+                f"save_activations must be True, False or a selector, not {spec!r} ({type(spec).__name__}).",
+                remedy="Pass save_activations=True, False, or a selector such as bl.func('relu').",
+            )
         self.spec = spec
         self.keeps_any = spec is not False and spec is not None
 
@@ -473,31 +481,36 @@ class _ModuleCalls:
 
     Each thread has a stack of recording captures (innermost last); a module
     call in a thread with none goes straight to torch's own ``_call_impl``. The
-    original is restored when the last capture detaches.
+    original is restored when the last capture detaches, and also when the
+    last recording capture is freed without detaching (held weakly: a forward
+    cut short where no cleanup could run still takes the wrapper with it).
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._by_thread: dict[int, list[ForwardRecorder]] = {}
+        self._lock = threading.RLock()  # weakref callbacks may run while it is held
+        self._by_thread: dict[int, list[weakref.ref]] = {}
         self._original: Callable[..., Any] | None = None
 
     def push(self, recorder: ForwardRecorder) -> None:
         with self._lock:
-            self._by_thread.setdefault(threading.get_ident(), []).append(recorder)
+            self._by_thread.setdefault(threading.get_ident(), []).append(weakref.ref(recorder, self._dropped))
             if self._original is None:
                 self._original = torch.nn.Module._call_impl
                 torch.nn.Module._call_impl = self._make_wrapper(self._original)
 
-    def pop(self, recorder: ForwardRecorder) -> None:
+    def pop(self, recorder: ForwardRecorder | None) -> None:
+        """Stop routing to ``recorder`` (None: only forget recorders that are gone)."""
         with self._lock:
             for thread, stack in list(self._by_thread.items()):
-                if recorder in stack:
-                    stack.remove(recorder)
+                stack[:] = [ref for ref in stack if ref() is not None and ref() is not recorder]
                 if not stack:
                     del self._by_thread[thread]
             if not self._by_thread and self._original is not None:
                 torch.nn.Module._call_impl = self._original
                 self._original = None
+
+    def _dropped(self, _ref: weakref.ref) -> None:
+        self.pop(None)
 
     def _make_wrapper(self, original: Callable[..., Any]):
         by_thread = self._by_thread
@@ -505,9 +518,10 @@ class _ModuleCalls:
 
         def _call_impl(module, *args, **kwargs):
             stack = by_thread.get(get_ident())
-            if not stack:
+            recorder = stack[-1]() if stack else None
+            if recorder is None:
                 return original(module, *args, **kwargs)
-            return stack[-1].module_call(original, module, args, kwargs)
+            return recorder.module_call(original, module, args, kwargs)
 
         return _call_impl
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from backlens._fence import complete
 from backlens.capture.forward import ForwardJournal
 from backlens.capture.pairing import describe_node
 from backlens.capture.slots import GradSlots
@@ -113,6 +114,7 @@ class PassEntry:
     seq_end: int | None = None
     result: Any = None
     failed_node: int | None = None
+    recording_error: BaseException | None = None  # an internal error in a hook (status recording_failed)
     drain_queued: bool = False  # whether its fires end when the engine drains (distributed captures)
 
 
@@ -160,6 +162,7 @@ class CaptureState:
         self.world_size: int | None = None
         self.recorder: Any = None  # a live capture's BackwardRecorder
         self.closed = False
+        self.interrupted: str | None = None  # why recording stopped (an interrupted update), else None
         self._views: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._input_of_source: dict[int, int] | None = None
 
@@ -234,7 +237,7 @@ class CaptureState:
     def close(self) -> None:
         """Remove every hook and drop every autograd node; everything recorded stays readable."""
         if self.recorder is not None:
-            self.recorder.close()
+            complete(self.recorder.close)  # every hook goes, also when a Ctrl-C arrives meanwhile
         self.table.clear()
         self.journal.drop_nodes()
         self.slots.drop_nodes()

@@ -4,7 +4,10 @@
   closes without error and its ``save_grads`` selector saved no gradient in
   that pass, it warns once for the pass. A pass that the selector's
   ``in_pass`` terms rule out (``bl.func("relu") & bl.in_pass(2)`` during pass
-  1) is not warned about: saving nothing there is what was asked.
+  1) is not warned about when the next pass is one it selects: saving nothing
+  there is what was asked. When the next pass is ruled out too
+  (``bl.in_pass(5)`` during pass 1, often an off-by-one or too few passes),
+  it warns once per capture, naming the first pass the selector can save in.
 * Forward: :func:`warn_if_no_activation_kept` warns after the forward when a
   ``save_activations`` selector kept no op.
 
@@ -22,8 +25,14 @@ from backlens.errors import BacklensWarning
 _CODE = "selector_matched_nothing"
 
 
+_LOOK_AHEAD = 1000  # passes searched for the first one a selector's in_pass terms allow
+
+
 class UnmatchedSelectorWarner:
     """Pass observer for a capture's :class:`BackwardRecorder` (see ``observers``)."""
+
+    def __init__(self) -> None:
+        self._ruled_out_warned: set[str] = set()
 
     def on_pass_close(self, state: Any, pass_: Any, error: BaseException | None) -> None:
         spec = pass_.policy.spec
@@ -31,6 +40,7 @@ class UnmatchedSelectorWarner:
             return
         scope = getattr(spec, "pass_scope", None)
         if scope is not None and scope(pass_.number) is False:
+            self._ruled_out(spec, scope, pass_.number)
             return
         fired = [state.calls[i] for i in pass_.calls]
         if any(c.grad_inputs is not None or c.grad_outputs is not None for c in fired):
@@ -44,6 +54,23 @@ class UnmatchedSelectorWarner:
             f"save_grads={spec!r} matched nothing in backward pass {pass_.number} "
             f"({pass_.trigger}): no gradient was saved.{seen} "
             "Check the names (cap.ops.labels(), cap.grad_fns.to_pandas()) or widen the selector.",
+        )
+
+
+    def _ruled_out(self, spec: Any, scope: Any, number: int) -> None:
+        """A pass the selector rules out: warn (once per selector) when it allowed no pass so far and
+        does not allow the next one either."""
+        if scope(number + 1) is not False or repr(spec) in self._ruled_out_warned:
+            return
+        if any(scope(k) is not False for k in range(1, number)):
+            return  # it selected an earlier pass (bl.in_pass(1) during pass 2): nothing is amiss
+        self._ruled_out_warned.add(repr(spec))
+        first = next((k for k in range(number + 2, number + _LOOK_AHEAD) if scope(k) is not False), None)
+        when = (f"it selects no pass before pass {first}" if first is not None
+                else "it selects no later pass at all")
+        _warn(
+            f"save_grads={spec!r} matched nothing in backward pass {number}: no gradient was saved, and {when} "
+            "(pass numbers start at 1). Check bl.in_pass(...) against the passes you run.",
         )
 
 

@@ -48,6 +48,7 @@ class BackwardCensus(CountingMode):
         self._funcs, self._nodes, self._flops, self._grad = self.aten
         self._recomputing = recompute_probe(create_graph)
         self.recompute_known = self._recomputing is not None
+        self.closed = False  # its pass closed: it must no longer be on torch's mode stack
 
     def seen(self, func: Any, counter: Any, args: tuple, kwargs: dict | None, out: Any) -> None:
         self.aten_calls += 1

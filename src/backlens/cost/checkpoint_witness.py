@@ -69,11 +69,16 @@ class CheckpointWitness:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        _INVOCATIONS.pop(self)
+        self.leave()
         state = self._state()
         if state is not None:
             for entry in self.journal.entries:
                 _resolve_module(state.journal, entry)
+
+    def leave(self) -> None:
+        """Stop witnessing (idempotent): with no capture recording left, torch's checkpoint
+        classes are put back. Run to completion by the capture's cleanup, also on Ctrl-C."""
+        _INVOCATIONS.pop(self)
 
     def open(self, reentrant: bool, sequence_nr: int | None = None) -> CheckpointEntry:
         journal = self._state().journal
@@ -226,6 +231,7 @@ class _Invocations:
         return None
 
     def _install(self) -> None:
+        self._installed = True  # first: an install cut short (a Ctrl-C) is still undone by _uninstall
         original = _torch.checkpoint_hook_class()
         if original is not None:
             self._original_hook_class = original
@@ -234,7 +240,6 @@ class _Invocations:
         if forward is not None:
             self._original_forward = forward
             _torch.set_reentrant_checkpoint_forward(_witnessed_forward(forward))
-        self._installed = True
 
     def _uninstall(self) -> None:
         if self._original_hook_class is not None:

@@ -13,6 +13,7 @@ from typing import Any
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from backlens import _torch
 from backlens.cost.formulas import DECOMPOSE, plan_for, refresh_plans
 
 
@@ -26,7 +27,7 @@ class CountingMode(TorchDispatchMode):
         if plan is self:
             plan = plan_for(func)
         if plan is DECOMPOSE:
-            with self:  # the inner calls come back through this mode
+            with _torch.dispatch_mode(self):  # the inner calls come back through this mode
                 out = func.decompose(*args, **(kwargs or {}))
             if out is not NotImplemented:
                 return out

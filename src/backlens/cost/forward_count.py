@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from backlens import _torch
 from backlens.capture.forward import ForwardRecorder
 from backlens.cost.counting import CountingMode
 from backlens.cost.formulas import op_name
@@ -209,7 +210,7 @@ def replay(noted: list[tuple[int, Any, Any, Any]], num_ops: int,
             try:
                 if not (_replayable(args) and _replayable(kwargs)):
                     raise TypeError("an argument other than tensors and plain values cannot be replayed safely")
-                with counter:
+                with _torch.dispatch_mode(counter):
                     func(*_meta(args), **(_meta(kwargs) or {}))
             except Exception as exc:  # noqa: BLE001 - data-dependent or device-bound ops cannot replay
                 op_flops[index] = None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from backlens import _torch
 from backlens.cost.census import BackwardCensus
 from backlens.cost.settle import no_count_reason, settle, uncounted
 
@@ -50,6 +51,11 @@ def _enter_a_dispatch_mode() -> None:
         torch.zeros(1).add_(1)
 
 
+def census_left_behind(mode: Any) -> bool:
+    """A backward census whose pass has closed (it should be off torch's mode stack)."""
+    return isinstance(mode, BackwardCensus) and mode.closed
+
+
 class FlopObserver:
     """Counts backward FLOPs of every explicit pass of one capture.
 
@@ -67,7 +73,7 @@ class FlopObserver:
             _warm_dispatch_modes()
         self._runs: dict[int, Any] = {}
 
-    def run_context(self, run: Any, pass_: Any) -> BackwardCensus | None:
+    def run_context(self, run: Any, pass_: Any) -> Any:
         if self._cannot_count is not None:
             return None
         self._runs[pass_.number] = run
@@ -75,7 +81,7 @@ class FlopObserver:
             return None  # another capture's observer counts this run
         census = run.shared["census"] = BackwardCensus(create_graph=run.create_graph)
         run.shared["census_pass"] = pass_
-        return census
+        return _torch.dispatch_mode(census)  # off torch's mode stack on the way out, also on Ctrl-C
 
     def census_of(self, number: int) -> BackwardCensus | None:
         """The census counting pass ``number``'s run while it runs (maybe another capture's)."""
@@ -86,6 +92,11 @@ class FlopObserver:
         self._runs.pop(pass_.number, None)
         run = pass_.run
         census = run.shared.get("census") if run is not None else None
+        if census is not None:
+            # Off torch's mode stack even if a Ctrl-C cut its own cleanup short (the run
+            # is over: the engine wrapper leaves the census before closing the passes).
+            census.closed = True
+            _torch.drop_dispatch_modes(census_left_behind)
         calls = [state.calls[i] for i in pass_.calls]
         reason = self._cannot_count or no_count_reason(census, pass_.trigger, run is not None and run.explicit,
                                                        error)

@@ -21,12 +21,14 @@ Manifest (``kind`` ``"derived"``, ``format_version`` 1)::
     file              {name: "tensors.safetensors", bytes, sha256}
     checksum          sha256 of the canonical JSON of every field above
 
-Reading trusts nothing in the directory: the manifest's size is bounded and
-every field is checked against this schema (exact key sets, types, ranges);
-the one tensor file has a fixed name, is never a symlink, and its bytes are
-hashed before they are parsed, from the same bytes in memory; every array's
-name, dtype and shape must be the manifest's. Nothing the manifest names is
-imported or instantiated. Any problem is a :class:`BundleError` naming the file.
+Reading trusts nothing in the directory and shares capture bundles' file
+access (io/files.py: nothing outside the directory opened, no link followed,
+sizes and JSON depth bounded): every field is checked against this schema
+(exact key sets, types, ranges); the one tensor file has a fixed name and its
+bytes are hashed before they are parsed, from the same bytes in memory; every
+array's name, dtype and shape must be the manifest's. Nothing the manifest
+names is imported or instantiated. Any problem is a :class:`BundleError`
+naming the file. Writing is crash-safe as for capture bundles (io/replace.py).
 """
 
 from __future__ import annotations
@@ -36,9 +38,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
-import stat
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +47,9 @@ import safetensors.numpy
 from backlens._version import __version__
 from backlens.derive.record import EXACT, DerivedGrads, IntermediateGrad, IntermediateGrads
 from backlens.errors import BundleError
+from backlens.io.disk_store import check_target
+from backlens.io.files import BundleDir, parse_json, read_exact
+from backlens.io.replace import Staging, clean_leftovers, put_in_place, recover, remove_old
 
 FORMAT = "backlens.derived"
 KIND = "derived"
@@ -66,7 +68,7 @@ DTYPES = ("bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64
 def save(grads: DerivedGrads, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
     """Write ``grads`` as a bundle at ``path`` (all or nothing); returns the path."""
     target = Path(path)
-    _check_target(target, overwrite)
+    check_target(target, overwrite)
     arrays: dict[str, np.ndarray] = {}
 
     def entry(key: str, array: np.ndarray) -> dict[str, Any]:
@@ -103,26 +105,26 @@ def save(grads: DerivedGrads, path: str | os.PathLike, *, overwrite: bool = Fals
     body["file"] = {"name": TENSORS, "bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
     body["checksum"] = _checksum(body)
 
-    parent = target.parent
+    recover(target)
     try:
-        parent.mkdir(parents=True, exist_ok=True)
-        _remove_leftovers(target)
-        temporary = parent / f".{target.name}.partial-{uuid.uuid4().hex[:12]}"
-        temporary.mkdir()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        clean_leftovers(target)
+        staging = Staging(target)
     except OSError as exc:
         raise BundleError(f"{target}: cannot write here ({exc.strerror or exc}).",
                           code="bundle_write_failed", remedy="Choose a writable location.") from exc
     try:
-        _write_file(temporary / TENSORS, payload)
-        _write_file(temporary / MANIFEST, json.dumps(body, indent=1).encode("utf-8"))
-        _move_into_place(temporary, target, overwrite)
+        _write_file(staging.path / TENSORS, payload)
+        _write_file(staging.path / MANIFEST, json.dumps(body, indent=1).encode("utf-8"))
+        replaced = put_in_place(staging, target, overwrite)
     except BaseException as exc:
-        shutil.rmtree(temporary, ignore_errors=True)
+        staging.discard()
         if isinstance(exc, OSError):
             raise BundleError(f"{target}: writing the bundle failed ({exc.strerror or exc}).",
                               code="bundle_write_failed",
                               remedy="Choose a writable location with enough free space.") from exc
         raise
+    remove_old(replaced, target)
     return target
 
 
@@ -139,84 +141,31 @@ def _write_file(path: Path, data: bytes) -> None:
         os.fsync(handle.fileno())
 
 
-def _check_target(target: Path, overwrite: bool) -> None:
-    if not (target.exists() or target.is_symlink()):
-        return
-    if target.is_symlink() or not target.is_dir():
-        raise BundleError(f"{target}: exists and is not a directory; a bundle is a directory.",
-                          code="bundle_not_a_directory", remedy="Choose a path that does not exist yet.")
-    if not any(target.iterdir()):
-        return
-    if not overwrite:
-        raise BundleError(f"{target}: already exists and is not empty.", code="bundle_exists",
-                          remedy="Choose a new path, or pass overwrite=True to replace the bundle there.")
-    if not _is_bundle(target):
-        raise BundleError(f"{target}: exists and is not a backlens bundle; refusing to replace it.",
-                          code="bundle_not_a_bundle",
-                          remedy="Choose a new path; overwrite=True only replaces bundles.")
-
-
-def _is_bundle(path: Path) -> bool:
-    try:
-        with open(path / MANIFEST, "rb") as handle:
-            head = handle.read(4096)
-    except OSError:
-        return False
-    return b'"format": "backlens.' in head or b'"format":"backlens.' in head
-
-
-def _remove_leftovers(target: Path) -> None:
-    for pattern in (f".{target.name}.partial-*", f".{target.name}.old-*"):
-        for leftover in target.parent.glob(pattern):
-            if leftover.is_dir() and not leftover.is_symlink():
-                shutil.rmtree(leftover, ignore_errors=True)
-
-
-def _move_into_place(temporary: Path, target: Path, overwrite: bool) -> None:
-    old = None
-    if target.exists() and any(target.iterdir()):
-        if not overwrite:  # appeared while we were writing
-            raise BundleError(f"{target}: already exists.", code="bundle_exists",
-                              remedy="Choose a new path, or pass overwrite=True.")
-        old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:12]}"
-        os.rename(target, old)
-    elif target.exists():
-        target.rmdir()
-    try:
-        os.rename(temporary, target)
-    except OSError:
-        if old is not None:
-            os.rename(old, target)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 # -- reading -------------------------------------------------------------------------
 
 
 def is_derived(root: str | os.PathLike) -> bool:
     """Whether the bundle directory ``root`` holds a derived-gradients manifest (top-level
-    ``"kind": "derived"``). A cheap test; a full, checked read is :func:`load`'s job.
+    ``"kind": "derived"``). A cheap test that never raises; a full, checked read is :func:`load`'s job.
 
     A small manifest is parsed; a large one is recognised by its opening, which
     this module's writer always makes ``{"format": "backlens.derived", "kind": "derived"``.
     """
-    path = Path(root) / MANIFEST
     try:
-        if path.is_symlink() or not path.is_file():
+        directory = BundleDir(root)
+        info = directory.lstat(MANIFEST)
+        if info is None:
             return False
-        size = path.stat().st_size
-        with open(path, "rb") as handle:
-            head = handle.read(min(size, _PARSE_WHOLE_BELOW))
-    except OSError:
-        return False
-    if size <= _PARSE_WHOLE_BELOW:
+        descriptor = directory.open(MANIFEST)
         try:
-            manifest = json.loads(head)
-        except ValueError:
-            return False
-        return isinstance(manifest, dict) and manifest.get("kind") == KIND
+            head = read_exact(descriptor, min(info.st_size, _PARSE_WHOLE_BELOW), 0, directory.path(MANIFEST))
+        finally:
+            os.close(descriptor)
+        if info.st_size <= _PARSE_WHOLE_BELOW:
+            manifest = parse_json(bytes(head), directory.path(MANIFEST), "manifest")
+            return isinstance(manifest, dict) and manifest.get("kind") == KIND
+    except BundleError:
+        return False
     return _OPENING.match(head) is not None
 
 
@@ -226,42 +175,17 @@ def load(root: str | os.PathLike, *, verify: bool = True) -> DerivedGrads:
     ``verify`` is accepted for symmetry with capture bundles: the one tensor
     file is always hashed, since it is read whole anyway.
     """
-    root = Path(root)
-    manifest_path = root / MANIFEST
-    manifest = _read_manifest(manifest_path)
-    arrays = _read_tensors(root / TENSORS, manifest["file"])
+    directory = BundleDir(root)
+    manifest_path = directory.path(MANIFEST)
+    manifest = _read_manifest(directory)
+    arrays = _read_tensors(directory, manifest["file"])
     return _build(manifest, arrays, manifest_path)
 
 
-def _read_bytes(path: Path, limit: int) -> bytes:
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
-    try:
-        descriptor = os.open(path, flags)
-    except OSError as exc:
-        if path.is_symlink():
-            raise BundleError(f"{path}: is a symlink; bundles never follow links.", code="bundle_corrupt",
-                              remedy="Replace the link with the file itself.") from exc
-        raise BundleError(f"{path}: cannot read ({exc.strerror or exc}).", code="bundle_missing_file",
-                          remedy="The bundle is incomplete; save it again.") from exc
-    with os.fdopen(descriptor, "rb") as handle:
-        info = os.fstat(handle.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise BundleError(f"{path}: not a regular file.", code="bundle_corrupt")
-        if info.st_size > limit:
-            raise BundleError(f"{path}: {info.st_size} bytes, more than the {limit} this file may have.",
-                              code="bundle_corrupt", remedy="The bundle is damaged; save it again.")
-        data = handle.read(limit + 1)
-    if len(data) > limit:
-        raise BundleError(f"{path}: grew past {limit} bytes while being read.", code="bundle_corrupt")
-    return data
-
-
-def _read_manifest(path: Path) -> dict[str, Any]:
-    raw = _read_bytes(path, MAX_MANIFEST_BYTES)
-    try:
-        manifest = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise BundleError(f"{path}: malformed JSON ({exc}).", code="bundle_corrupt") from exc
+def _read_manifest(directory: BundleDir) -> dict[str, Any]:
+    path = directory.path(MANIFEST)
+    manifest = parse_json(directory.read(MANIFEST, MAX_MANIFEST_BYTES, "derived bundle manifest"), path,
+                          "manifest")
     fail = _Checker(path)
     fail.keys(manifest, "manifest", {"format", "kind", "format_version", "backlens_version", "created",
                                      "framework", "framework_version", "output", "leaf_grads",
@@ -365,12 +289,13 @@ class _Checker:
             self.integer(n, f"{field}.shape", minimum=0)
 
 
-def _read_tensors(path: Path, info: dict[str, Any]) -> dict[str, np.ndarray]:
-    data = _read_bytes(path, info["bytes"])
-    if len(data) != info["bytes"]:
-        what = "truncated" if len(data) < info["bytes"] else "has extra bytes"
-        raise BundleError(f"{path}: {what} ({len(data)} bytes, the manifest says {info['bytes']}).",
-                          code="bundle_corrupt", remedy="The bundle is damaged; save it again.")
+def _read_tensors(directory: BundleDir, info: dict[str, Any]) -> dict[str, np.ndarray]:
+    path = directory.path(TENSORS)
+    descriptor = directory.open(TENSORS, expected_size=info["bytes"])
+    try:
+        data = bytes(read_exact(descriptor, info["bytes"], 0, path))
+    finally:
+        os.close(descriptor)
     if hashlib.sha256(data).hexdigest() != info["sha256"]:
         raise BundleError(f"{path}: sha256 mismatch: the file is corrupt.", code="bundle_corrupt",
                           remedy="The bundle is damaged; save it again.")

@@ -59,6 +59,14 @@ def derive(
             code="derive_bad_option",
             remedy="Pass max_intermediate=N with N >= 0.",
         )
+    for name, value in (("intermediate", intermediate), ("input_grads", input_grads)):
+        if not isinstance(value, bool):
+            raise UnsupportedInputError(f"bl.derive: {name} must be True or False, got {value!r}.",
+                                        code="derive_bad_option", remedy=f"Pass {name}=True or {name}=False.")
+    if framework is not None and not isinstance(framework, str):
+        raise UnsupportedInputError(f"bl.derive: framework must be a name such as 'jax', got {framework!r}.",
+                                    code="derive_unknown_framework",
+                                    remedy="Pass framework='jax' (or 'tinygrad', 'mlx', 'paddle', 'tensorflow').")
     key = _framework_key(framework, params, inputs)
     module_name, package, extra = BACKENDS[key]
     try:

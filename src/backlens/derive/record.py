@@ -159,7 +159,11 @@ class DerivedGrads:
 
     def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """Write a bundle at ``path`` that ``bl.load(path)`` reads back as an equal record."""
+        from backlens import _args
         from backlens.derive.bundle import save
+
+        _args.path(path, "path", "DerivedGrads.save", "grads.save('runs/derived')")
+        _args.flag(overwrite, "overwrite", "DerivedGrads.save")
 
         return save(self, path, overwrite=overwrite)
 

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from backlens.distributed.rank_table import RankCostTable, rank_cost_table
-from backlens.errors import BundleError
+from backlens.errors import BundleError, LabelNotFoundError, UnsupportedInputError
 from backlens.io.names import MANIFEST, STREAM_MARKER
+from backlens.records.grads import check_pass_number
 
 
 def rank_bundle_dirs(path: str | os.PathLike) -> list[Path] | None:
@@ -68,11 +69,19 @@ class RankSet:
         return iter(self.ranks)
 
     def __getitem__(self, rank: int) -> Any:
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise UnsupportedInputError(f"ranks[...]: a rank is an integer, got {rank!r} ({type(rank).__name__}).",
+                                        code="bad_argument", remedy=f"Pass a rank from 0 to {len(self.ranks) - 1}.")
+        if not -len(self.ranks) <= rank < len(self.ranks):
+            raise LabelNotFoundError(f"No rank {rank}: this run had {len(self.ranks)} ranks.",
+                                     remedy=f"Pass a rank from 0 to {len(self.ranks) - 1}.")
         return self.ranks[rank]
 
     def cost_tree(self, pass_: int | None = None) -> RankCostTable:
         """Per module, the backward time on each rank, the slowest rank and the skew (every
         counted pass, or pass ``pass_`` on each rank)."""
+        if pass_ is not None:
+            check_pass_number(pass_, "ranks.cost_tree(pass_=...)")
         return rank_cost_table(self.ranks, pass_)
 
     def check_grads(self) -> GradCheck:

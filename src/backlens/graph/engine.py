@@ -2,9 +2,9 @@
 
 ``torch.autograd.backward``, ``Tensor.backward`` and ``torch.autograd.grad``
 all end in one engine entry point of ``torch.autograd.graph``. backlens wraps it
-once per process through ``_torch.install_engine_wrapper`` and leaves it in
-place (as live tracing does with ``Tensor.backward``); with no capture armed
-the wrapper is a pass-through. A run started elsewhere is found by the engine's graph-task
+through ``_torch.install_engine_wrapper`` while a capture is armed or an observer
+watches, and puts torch's own back when the last of them goes, so a plain
+backward runs no backlens code. A run started elsewhere is found by the engine's graph-task
 id when one of a capture's hooks first fires, and becomes an *implicit* run,
 closed when the engine drains.
 
@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import torch
 
 from backlens import _torch
+from backlens._fence import complete
 from backlens._frames import PACKAGE_DIR, TORCH_DIR, user_frame
 from backlens.graph.discovery import root_nodes
 
@@ -103,31 +104,43 @@ _lock = threading.RLock()
 _observers: list[Any] = []
 
 
-
 def arm(participant: Participant) -> None:
-    """Start routing engine runs to ``participant`` (installs the wrapper once)."""
-    _torch.install_engine_wrapper(_make_wrapper)
+    """Start routing engine runs to ``participant`` (installs the wrapper with the first one)."""
     with _lock:
+        _torch.install_engine_wrapper(_make_wrapper)
         if participant not in _live_participants():
             _participants.append(weakref.ref(participant))
 
 
 def observe(observer: Any) -> None:
-    """Call ``observer(args, kwargs)`` before every engine run (installs the wrapper once)."""
-    _torch.install_engine_wrapper(_make_wrapper)
+    """Call ``observer(args, kwargs)`` before every engine run (installs the wrapper with the first one)."""
     with _lock:
+        _torch.install_engine_wrapper(_make_wrapper)
         _observers.append(observer)
+
+
+def observing(observer: Any) -> bool:
+    return observer in _observers
 
 
 def unobserve(observer: Any) -> None:
     with _lock:
         if observer in _observers:
             _observers.remove(observer)
+        _uninstall_when_unused()
 
 
 def disarm(participant: Participant) -> None:
+    """Stop routing runs to ``participant``; with no capture armed and no observer left,
+    torch's entry point is restored, so a plain backward runs no backlens code."""
     with _lock:
         _participants[:] = [ref for ref in _participants if ref() is not None and ref() is not participant]
+        _uninstall_when_unused()
+
+
+def _uninstall_when_unused() -> None:
+    if not _participants and not _observers:
+        _torch.uninstall_engine_wrapper()
 
 
 def _live_participants() -> list[Participant]:
@@ -158,28 +171,32 @@ def _make_wrapper(original):
         run = _open_explicit_run(t_outputs, args, kwargs)
         if run is None:
             return original(t_outputs, *args, **kwargs)
-        for participant, backward_pass in run.passes.items():
-            refused = participant.preflight(backward_pass)
-            if refused is not None:
-                close_run(run, refused)
-                raise refused
+        # From here every pass the run opened is closed whatever happens (a Ctrl-C
+        # included), so none stays "running" and no census mode stays installed.
         pending = _pending()
-        pending.append(run)
         try:
+            for participant, backward_pass in list(run.passes.items()):
+                refused = participant.preflight(backward_pass)
+                if refused is not None:
+                    close_run(run, refused)
+                    raise refused
+            pending.append(run)
             try:
                 with ExitStack() as stack:
-                    for participant in run.passes:
+                    for participant in list(run.passes):
                         for context in participant.run_contexts(run):
                             stack.enter_context(context)
                     result = original(t_outputs, *args, **kwargs)
             finally:
-                _forget(run, pending)
+                complete(lambda: _forget(run, pending))
         except BaseException as exc:
-            replacement = close_run(run, exc)
+            failure, outcome = exc, []
+            complete(lambda: outcome.append(close_run(run, failure)))
+            replacement = outcome[-1] if outcome else None
             if replacement is not None and replacement is not exc:
                 raise replacement from exc
             raise
-        close_run(run, None, result)
+        complete(lambda: close_run(run, None, result))
         return result
 
     return run_engine
@@ -236,8 +253,13 @@ def _open_explicit_run(t_outputs, args, kwargs) -> Run | None:
         explicit=True,
         inputs=tuple(inputs) if inputs else None,
     )
-    for participant in claims:
-        run.passes[participant] = participant.open_pass(run)
+    try:
+        for participant in claims:
+            run.passes[participant] = participant.open_pass(run)
+    except BaseException as exc:
+        failure = exc
+        complete(lambda: close_run(run, failure))  # the passes opened so far do not stay "running"
+        raise
     return run
 
 
@@ -358,14 +380,16 @@ def user_call_site() -> CallSite | None:
 
 
 def close_run(run: Run, error: BaseException | None, result: Any = None) -> BaseException | None:
-    """Close every pass of ``run``; returns the error to raise (maybe translated)."""
+    """Close every pass of ``run``; returns the error to raise (maybe translated).
+
+    Called again after an interruption, it closes the passes still open.
+    """
     if run.closed:
         return error
-    run.closed = True
     raised = error
     for participant, backward_pass in list(run.passes.items()):
         backward_pass.result = result
-        translated = participant.close_pass(backward_pass, error)
+        translated = participant.close_pass(backward_pass, error)  # closing twice is a no-op
         if translated is not None and raised is error:
             raised = translated
     _count_other_capture_nodes(run)
@@ -374,6 +398,7 @@ def close_run(run: Run, error: BaseException | None, result: Any = None) -> Base
     run.passes.clear()
     run.shared.clear()
     run.open.clear()
+    run.closed = True
     return raised
 
 

@@ -120,6 +120,12 @@ class NodeTable:
             added.append(index)
         return added
 
+    def repair(self) -> None:
+        """After an ``add`` cut short (a Ctrl-C): keep only the nodes every list has."""
+        size = min(len(self.nodes), len(self.types), len(self._facts))
+        del self.nodes[size:], self.types[size:], self._facts[size:]
+        self.index_of = {node: index for node, index in self.index_of.items() if index < size}
+
     def entries(self, describe: Describe) -> list[NodeEntry]:
         """Every node's entry, building those not built yet with ``describe``."""
         if len(self._entries) < len(self.types) and not self._building:

@@ -6,4 +6,8 @@
 * ``manifest``, ``schema``, ``shards``, ``names``: the manifest's layout and
   checks, the state's entries under format version 2, safetensors shards, and
   the bundle's file names. No pickle anywhere.
+* ``files``: reading a bundle directory as untrusted input (no link followed,
+  nothing outside it opened, sizes and JSON depth bounded).
+* ``replace``: putting a finished bundle in place atomically, recovering an
+  interrupted replacement, removing what interrupted saves left.
 """

@@ -4,25 +4,33 @@ A bundle is a directory: ``manifest.json`` (io/manifest.py: the capture state
 under an explicit schema, io/schema.py) and safetensors shards. No pickle
 anywhere.
 
-Writing is all-or-nothing: a new bundle is built in a hidden temporary
-directory beside ``path`` and renamed into place at the end; on any error the
-temporary directory is removed and ``path`` is left as it was. An existing
-path is refused unless ``overwrite=True``, and even then only a bundle (or an
-empty directory) is replaced, never another directory.
+Writing is crash-safe: a new bundle is built in a locked hidden directory
+beside ``path`` and put in place at the end (io/replace.py: one rename, or one
+atomic exchange with the bundle it replaces), so ``path`` holds the old or the
+new bundle whatever moment the process dies; on an error the hidden directory
+is removed and ``path`` is left as it was, and the next save to ``path``
+removes what an interrupted one left. An existing path is refused unless
+``overwrite=True``, and even then only a bundle (or an empty directory) is
+replaced, never another directory.
 
-Reading checks everything before the state is built: the manifest's format,
-version and checksum, every shard's presence, size, header and sha256 (and
-each tensor's sha256), every field of every entry. Any problem is a
-:class:`BundleError` naming the file. What it builds is the same
-:class:`~backlens.capture.state.CaptureState` a live capture fills, over
-read-only storage, so records read through the same code.
+Reading treats the bundle as untrusted input (io/files.py: no link followed,
+nothing outside the directory opened, sizes and JSON depth bounded) and checks
+everything before the state is built: the manifest's format, version and
+checksum, every field of every entry against the schema, every shard's
+presence, size, header and sha256 (and each tensor's sha256). Tensors are read
+when first used, into memory of their own, and checked against their sha256
+again then. Any problem is a :class:`BundleError` naming the file. What it
+builds is the same :class:`~backlens.capture.state.CaptureState` a live
+capture fills, over read-only storage, so records read through the same code.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
-import shutil
-import uuid
+import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,15 +38,19 @@ from typing import Any
 import torch
 
 from backlens._distributed import expand_rank
+from backlens._progress import LARGE_BYTES, progress, progress_shown
 from backlens.capture.state import CaptureState
+from backlens.capture.store import MemoryStore
 from backlens.errors import BundleError
 from backlens.io import manifest as manifest_io
 from backlens.io.disk_store import DiskStore, check_target
-from backlens.io.names import MANIFEST, STREAM_MARKER, sibling
-from backlens.io.schema import decode_state
+from backlens.io.files import BundleDir, damaged
+from backlens.io.names import MANIFEST, STREAM_MARKER
+from backlens.io.replace import Staging, clean_leftovers, put_in_place, recover, remove_old
+from backlens.io.schema import decode_state, read_tensor_section
 from backlens.io.shards import (
-    DTYPES,
     ITEMSIZE,
+    SHARD_METADATA,
     ShardReader,
     ShardWriter,
     TensorEntry,
@@ -68,29 +80,35 @@ def save_state(state: CaptureState, path: str | os.PathLike | None = None, *, ov
             code="bundle_path_required",
             remedy="Pass a directory path: cap.save('runs/capture1').",
         )
+    if isinstance(store, DiskStore):
+        store.check_sound()
     target = Path(path)
+    recover(target)  # a replacement that died half-way: the old bundle goes back first
     check_target(target, overwrite)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        temporary = sibling(target, "partial", uuid.uuid4().hex[:12])
-        temporary.mkdir()
+        clean_leftovers(target)
+        staging = Staging(target)
     except OSError as exc:
         raise BundleError(f"{target}: cannot write here ({exc.strerror or exc}).",
                           code="bundle_write_failed", remedy="Choose a writable location.") from exc
     try:
-        writer = ShardWriter(temporary, "tensors")
-        body = manifest_io.build(state, manifest_io.Refs(writer, store))
-        writer.flush()
+        total = _bytes_to_write(state) if progress_shown() else 0
+        with progress("Saving bundle", total, unit="bytes", min_total=LARGE_BYTES) as advance:
+            writer = ShardWriter(staging.path, "tensors", advance=advance)
+            body = manifest_io.build(state, manifest_io.Refs(writer, store))
+            writer.flush()
         body["tensors"] = manifest_io.tensor_section([writer])
-        manifest_io.write(temporary, body)
-        _move_into_place(temporary, target, overwrite)
+        manifest_io.write(staging.path, body)
+        replaced = put_in_place(staging, target, overwrite)
     except BaseException as exc:
-        shutil.rmtree(temporary, ignore_errors=True)
+        staging.discard()
         if isinstance(exc, OSError):
             raise BundleError(f"{target}: writing the bundle failed ({exc.strerror or exc}).",
                               code="bundle_write_failed",
                               remedy="Choose a writable location with enough free space.") from exc
         raise
+    remove_old(replaced, target)
     return target
 
 
@@ -98,22 +116,20 @@ def _same_path(a: Any, b: Path) -> bool:
     return os.path.abspath(os.fspath(a)) == os.path.abspath(os.fspath(b))
 
 
-def _move_into_place(temporary: Path, target: Path, overwrite: bool) -> None:
-    old = None
-    if target.exists() and any(target.iterdir()):
-        if not overwrite:  # appeared while we were writing
-            raise BundleError(f"{target}: already exists.", code="bundle_exists",
-                              remedy="Choose a new path, or pass overwrite=True.")
-        old = sibling(target, "old", uuid.uuid4().hex[:12])
-        os.rename(target, old)
-    try:
-        os.rename(temporary, target)
-    except OSError:
-        if old is not None:
-            os.rename(old, target)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+def _bytes_to_write(state: CaptureState) -> int:
+    """About how many tensor bytes a save of ``state`` writes (for its progress bar)."""
+    def nbytes(tensors: Any) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+    total = nbytes(op.activation for op in state.journal.ops)
+    total += nbytes(p.grad for p in state.params)
+    if isinstance(state.store, MemoryStore):
+        for call in state.calls:
+            total += nbytes(call.grad_inputs or ()) + nbytes(call.grad_outputs or ())
+    else:
+        writer = getattr(state.store, "writer", None)
+        total += sum(info["bytes"] for info in getattr(writer, "files", {}).values())
+    return total
 
 
 # -- reading -------------------------------------------------------------------------
@@ -129,16 +145,19 @@ class BundleInfo:
 
 
 class BundleTensors:
-    """A loaded state's tensor store: tensor names -> tensors, mapped lazily from the shards.
+    """A loaded state's tensor store: tensor names -> tensors, read from the shards when asked for.
 
-    A handle is a tuple of names (None for a gradient that was not there). One
-    name gives one tensor object, so tensors shared live stay shared.
+    A handle is a tuple of names (None for a gradient that was not there). Each
+    tensor is read into memory of its own and checked against its sha256 when
+    first asked for (io/shards.py); one name gives one tensor object while
+    anyone holds it, so tensors shared live stay shared.
     """
 
-    def __init__(self, directory: Path, entries: dict[str, TensorEntry]):
+    def __init__(self, directory: BundleDir, entries: dict[str, TensorEntry], data_starts: dict[str, int]):
         self.entries = entries
-        self._reader = ShardReader(directory)
-        self._cache: dict[str, torch.Tensor] = {}
+        self._reader = ShardReader(directory, data_starts)
+        self._cache: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self._lock = threading.Lock()
 
     def known(self, name: str) -> bool:
         return name in self.entries
@@ -149,7 +168,10 @@ class BundleTensors:
             entry = self.entries.get(name)
             if entry is None:
                 raise ValueError(f"tensor {name!r} is not in the tensor index")
-            found = self._cache[name] = self._reader.tensor(entry)
+            with self._lock:
+                found = self._cache.get(name)
+                if found is None:
+                    found = self._cache[name] = self._reader.tensor(name, entry)
         return found
 
     def load(self, handle: tuple) -> tuple:
@@ -159,7 +181,7 @@ class BundleTensors:
         raise BundleError("A loaded bundle is read-only.", code="read_only_bundle")
 
     def close(self) -> None:
-        """Nothing to release: tensors handed out keep their own maps."""
+        """Nothing to release: no file is held open."""
 
 
 class _Sections:
@@ -179,16 +201,11 @@ class _Sections:
 def read_bundle(path: str | os.PathLike, *, verify: bool = True) -> tuple[CaptureState, BundleInfo]:
     """Read the bundle at ``path`` as a read-only capture state (see the module docstring)."""
     root = Path(path)
-    if not root.exists():
-        raise BundleError(f"{root}: no such bundle (the path does not exist).", code="bundle_missing",
-                          remedy="Check the path; cap.save(path) writes a bundle there.")
-    if not root.is_dir():
-        raise BundleError(f"{root}: not a bundle (it is a file; a bundle is a directory).",
-                          code="bundle_not_a_bundle",
-                          remedy="Point bl.load at the directory cap.save(path) wrote.")
-    manifest_path = root / MANIFEST
-    if not manifest_path.is_file():
-        if (root / STREAM_MARKER).exists():
+    recover(root)  # a save that died between its two renames left the old bundle aside
+    directory = BundleDir(root)
+    manifest_path = directory.path(MANIFEST)
+    if not directory.exists(MANIFEST):
+        if directory.exists(STREAM_MARKER):
             raise BundleError(
                 f"{manifest_path}: missing: this is an unfinished bl.to_disk directory.",
                 code="bundle_unfinished",
@@ -197,81 +214,73 @@ def read_bundle(path: str | os.PathLike, *, verify: bool = True) -> tuple[Captur
         raise BundleError(f"{manifest_path}: missing: {root} is not a backlens bundle.",
                           code="bundle_not_a_bundle",
                           remedy="Point bl.load at a directory cap.save(path) wrote.")
-    manifest = manifest_io.read(manifest_path)
-    tensors = BundleTensors(root, _check_tensors(root, manifest["tensors"], verify))
+    manifest = manifest_io.read(directory)
+    try:
+        files, entries = read_tensor_section(manifest["tensors"])
+    except ValueError as exc:
+        raise damaged(f"{manifest_path}: {exc}.") from None
+    tensors = BundleTensors(directory, entries, _check_shards(directory, files, entries, verify))
     try:
         state = decode_state(manifest, _Sections(manifest, tensors), tensors)
-    except (ValueError, TypeError, KeyError) as exc:
-        raise BundleError(f"{manifest_path}: {exc}.", code="bundle_corrupt",
-                          remedy="The bundle is damaged or not of this format; save it again.") from exc
-    info = BundleInfo(root, manifest["format_version"], manifest.get("backlens_version"),
-                      manifest.get("torch_version"))
+    except ValueError as exc:
+        if isinstance(exc, BundleError):
+            raise
+        raise damaged(f"{manifest_path}: {exc}.") from None
+    info = BundleInfo(root, manifest["format_version"], manifest["backlens_version"], manifest["torch_version"])
     return state, info
 
 
-def _check_tensors(root: Path, section: Any, verify: bool) -> dict[str, TensorEntry]:
-    manifest_path = root / MANIFEST
-    try:
-        files = dict(section["files"])
-        entries = {
-            str(name): TensorEntry(str(e["file"]), str(e["dtype"]), [int(n) for n in e["shape"]],
-                                   [int(o) for o in e["offsets"]], str(e["sha256"]))
-            for name, e in section["index"].items()
-        }
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise BundleError(f"{manifest_path}: malformed tensor index ({exc}).", code="bundle_corrupt") from exc
+def _check_shards(directory: BundleDir, files: dict[str, dict[str, Any]], entries: dict[str, TensorEntry],
+                  verify: bool) -> dict[str, int]:
+    """Check every shard against the tensor index; returns where each one's data starts.
+
+    Sizes, headers and offsets always; the sha256 of each file and each tensor
+    with ``verify`` (each tensor is checked again when it is read).
+    """
     by_file: dict[str, dict[str, TensorEntry]] = {name: {} for name in files}
     for name, entry in entries.items():
-        if entry.file not in by_file:
-            raise BundleError(f"{manifest_path}: tensor {name!r} is in unlisted file {entry.file!r}.",
-                              code="bundle_corrupt")
-        if entry.dtype not in DTYPES:
-            raise BundleError(f"{manifest_path}: tensor {name!r} has unknown dtype {entry.dtype!r}.",
-                              code="bundle_corrupt")
         by_file[entry.file][name] = entry
-    for file_name, info in files.items():
-        if os.path.basename(file_name) != file_name or file_name.startswith(".") or not file_name:
-            raise BundleError(f"{manifest_path}: bad shard file name {file_name!r}.", code="bundle_corrupt")
-        _check_shard(root / file_name, info, by_file[file_name], verify)
-    return entries
+    starts = {}
+    total = sum(info["bytes"] for info in files.values()) if verify else 0
+    with progress("Checking bundle", total, unit="bytes", min_total=LARGE_BYTES) as advance:
+        for file_name, info in files.items():
+            descriptor = directory.open(file_name, expected_size=info["bytes"])
+            try:
+                starts[file_name] = _check_shard(directory.path(file_name), descriptor, info, by_file[file_name],
+                                                 advance if verify else None)
+            finally:
+                os.close(descriptor)
+    return starts
 
 
-def _check_shard(path: Path, info: Any, entries: dict[str, TensorEntry], verify: bool) -> None:
-    if not path.is_file():
-        raise BundleError(f"{path}: missing tensor shard.", code="bundle_missing_file",
-                          remedy="The bundle is incomplete; save it again.")
-    try:
-        size, digest = int(info["bytes"]), str(info["sha256"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise BundleError(f"{path}: malformed entry in the manifest ({exc}).", code="bundle_corrupt") from exc
-    actual = path.stat().st_size
-    if actual != size:
-        what = "truncated" if actual < size else "has extra bytes"
-        raise BundleError(f"{path}: {what} ({actual} bytes, the manifest says {size}).",
-                          code="bundle_corrupt", remedy="The bundle is damaged; save it again.")
-    header, header_size = read_header(path)
+def _check_shard(path: Path, descriptor: int, info: dict[str, Any], entries: dict[str, TensorEntry],
+                 advance: Any) -> int:
+    expected = {name: {"dtype": e.dtype, "shape": e.shape, "data_offsets": e.offsets} for name, e in entries.items()}
+    # The header can be no longer than these entries written out (plus padding): a longer one
+    # is refused before it is read, whatever length the file claims.
+    needed = len(json.dumps({"__metadata__": SHARD_METADATA, **expected}, separators=(",", ":"))) + 8
+    header, header_size = read_header(descriptor, path, limit=needed)
     header.pop("__metadata__", None)
-    expected = {name: {"dtype": e.dtype, "shape": e.shape, "data_offsets": e.offsets}
-                for name, e in entries.items()}
     if header != expected:
-        raise BundleError(f"{path}: the shard's header does not match the manifest's tensor index.",
-                          code="bundle_corrupt", remedy="The bundle is damaged; save it again.")
+        raise damaged(f"{path}: the shard's header does not match the manifest's tensor index.")
     data_start = 8 + header_size
+    ranges = []
     for name, entry in entries.items():
         begin, end = entry.offsets
-        numel = 1
-        for n in entry.shape:
-            numel *= n
-        if not (0 <= begin <= end and data_start + end <= size and end - begin == numel * ITEMSIZE[entry.dtype]):
-            raise BundleError(f"{path}: tensor {name!r} has bad offsets {entry.offsets}.", code="bundle_corrupt")
-    if not verify:
-        return
-    ranges = [(name, data_start + e.offsets[0], data_start + e.offsets[1]) for name, e in entries.items()]
-    whole, _read, parts = hash_file(path, ranges)
-    if whole != digest:
-        raise BundleError(f"{path}: sha256 mismatch: the file is corrupt.", code="bundle_corrupt",
-                          remedy="The bundle is damaged; save it again.")
+        if data_start + end > info["bytes"] or end - begin != math.prod(entry.shape) * ITEMSIZE[entry.dtype]:
+            raise damaged(f"{path}: tensor {name!r} has bad offsets {entry.offsets} for its shape "
+                          f"{entry.shape} and dtype {entry.dtype}.")
+        ranges.append((name, data_start + begin, data_start + end))
+    ranges.sort(key=lambda r: r[1])
+    for (first, _b, first_end), (second, second_begin, _e) in zip(ranges, ranges[1:]):
+        if second_begin < first_end:
+            raise damaged(f"{path}: tensors {first!r} and {second!r} overlap.")
+    if advance is None:
+        return data_start
+    whole, parts = hash_file(descriptor, path, ranges, advance)
+    if whole != info["sha256"]:
+        raise damaged(f"{path}: sha256 mismatch: the file is corrupt.")
     for name, entry in entries.items():
         if parts.get(name) != entry.sha256:
-            raise BundleError(f"{path}: sha256 mismatch for tensor {name!r}.", code="bundle_corrupt",
-                              remedy="The bundle is damaged; save it again.")
+            raise damaged(f"{path}: sha256 mismatch for tensor {name!r}.")
+    return data_start

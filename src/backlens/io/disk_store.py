@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,10 +24,12 @@ from typing import Any
 import torch
 
 from backlens._distributed import expand_rank
+from backlens._warn import warn
 from backlens.capture.store import MemoryStore
 from backlens.errors import BundleError, UnsupportedInputError
 from backlens.io import manifest as manifest_io
 from backlens.io.names import EXTRA_SHARDS, MANIFEST, STREAM_MARKER
+from backlens.io.replace import Staging, clean_leftovers, put_in_place, recover, remove_old
 from backlens.io.shards import DEFAULT_SHARD_BYTES, ShardReader, ShardWriter, storable
 
 
@@ -41,22 +42,28 @@ class DiskSpec:
     overwrite: bool = False
 
 
-def to_disk(path: str | Path, *, shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False) -> DiskSpec:
+def to_disk(path: str | os.PathLike, *, shard_bytes: int = DEFAULT_SHARD_BYTES,
+            overwrite: bool = False) -> DiskSpec:
     """Stream saved tensors into a bundle at ``path`` instead of keeping them in memory.
 
     A literal ``{rank}`` in ``path`` becomes the capturing process's rank under
     ``torch.distributed`` (``"run/rank{rank}"``: one bundle per rank; 0 outside it).
     ``path`` must not exist, or be an empty directory; ``overwrite=True`` also
-    replaces an earlier bundle there (never any other directory). At most
-    ``shard_bytes`` of gradients wait in memory before a shard is written.
+    replaces an earlier bundle there (never any other directory), once the new
+    one is finished. At most ``shard_bytes`` of gradients wait in memory before
+    a shard is written.
     """
-    if not isinstance(path, (str, Path)) or str(path) == "":
-        raise UnsupportedInputError(f"bl.to_disk needs a directory path, got {path!r}.",
+    if not isinstance(path, (str, os.PathLike)) or os.fspath(path) in ("", b""):
+        raise UnsupportedInputError(f"bl.to_disk needs a directory path, got {path!r}.", code="bad_path",
                                     remedy="Pass a path such as bl.to_disk('runs/grads').")
-    if int(shard_bytes) < 1:
-        raise UnsupportedInputError(f"shard_bytes must be positive, got {shard_bytes!r}.",
-                                    remedy="Leave shard_bytes at its default (16 MiB).")
-    return DiskSpec(Path(path), int(shard_bytes), bool(overwrite))
+    if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int) or shard_bytes < 1:
+        raise UnsupportedInputError(f"bl.to_disk: shard_bytes must be a positive integer (bytes), got "
+                                    f"{shard_bytes!r}.", code="bad_option",
+                                    remedy="Leave shard_bytes at its default (16 MiB) or pass e.g. 64 * 2**20.")
+    if not isinstance(overwrite, bool):
+        raise UnsupportedInputError(f"bl.to_disk: overwrite must be True or False, got {overwrite!r}.",
+                                    code="bad_option", remedy="Pass overwrite=True or overwrite=False.")
+    return DiskSpec(Path(os.fspath(path)), shard_bytes, overwrite)
 
 
 def make_store(storage: Any) -> Any:
@@ -74,14 +81,14 @@ def make_store(storage: Any) -> Any:
 
 
 def check_target(path: Path, overwrite: bool) -> bool:
-    """Whether writing a bundle at ``path`` must first remove the bundle there.
+    """Whether writing a bundle at ``path`` replaces a bundle there.
 
-    Raises BundleError when ``path`` is a file, a non-empty directory without
-    ``overwrite``, or a directory that is not a bundle (never replaced).
+    Raises BundleError when ``path`` is a file or a link, a non-empty directory
+    without ``overwrite``, or a directory that is not a bundle (never replaced).
     """
-    if not (path.exists() or path.is_symlink()):
+    if not os.path.lexists(path):
         return False
-    if not path.is_dir():
+    if path.is_symlink() or not path.is_dir():
         raise BundleError(f"{path}: exists and is not a directory; a bundle is a directory.",
                           code="bundle_not_a_directory", remedy="Choose a path that does not exist yet.")
     if not any(path.iterdir()):
@@ -98,50 +105,101 @@ def check_target(path: Path, overwrite: bool) -> bool:
 
 def is_bundle_dir(path: Path) -> bool:
     """Whether ``path`` holds a backlens bundle or an unfinished ``to_disk`` stream."""
-    if (path / STREAM_MARKER).is_file():
+    marker, manifest = path / STREAM_MARKER, path / MANIFEST
+    if marker.is_file() and not marker.is_symlink():
         return True
+    if manifest.is_symlink():
+        return False
     try:
-        with open(path / MANIFEST, encoding="utf-8") as handle:
+        with open(manifest, "rb") as handle:
             head = handle.read(4096)
     except OSError:
         return False
-    return '"backlens.bundle"' in head
+    return b'"backlens.' in head
 
 
-def prepare_directory(path: Path, overwrite: bool) -> None:
-    """Make ``path`` an empty directory, or raise BundleError saying why not."""
-    if check_target(path, overwrite):
-        shutil.rmtree(path)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        (path / STREAM_MARKER).write_text(json.dumps({"format": "backlens.bundle-stream"}))
-    except OSError as exc:
-        raise BundleError(f"{path}: cannot create the bundle directory ({exc.strerror or exc}).",
-                          code="bundle_write_failed",
-                          remedy="Choose a writable location.") from exc
+def _write_failed(path: Path, exc: OSError) -> BundleError:
+    return BundleError(f"{path}: cannot write the bundle ({exc.strerror or exc}).", code="bundle_write_failed",
+                       remedy="Choose a writable location with enough free space.")
 
 
 class DiskStore:
     """A ``TensorStore`` writing safetensors shards into ``spec.path`` (see module doc).
 
     A handle is a tuple with one entry per tensor: its name in the shards,
-    ``None`` for a missing gradient, or the tensor itself for the rare layout
-    safetensors cannot hold (sparse), which stays in memory.
+    ``None`` for a missing gradient (or one dropped after a storage failure),
+    or the tensor itself for the rare layout safetensors cannot hold (sparse),
+    which stays in memory.
+
+    Replacing a bundle (``overwrite=True`` over one), the shards go to a locked
+    staging directory beside ``path`` that takes its place when the manifest is
+    first written (io/replace.py); otherwise they go to ``path`` itself, marked
+    unfinished until then.
+
+    A write that fails (disk full, file too large) never reaches the user's
+    backward: the store warns once (``storage_failed``), drops what it holds
+    and keeps nothing more, and ``finish``/``check_sound`` raise BundleError
+    with the cause.
     """
 
     def __init__(self, spec: DiskSpec):
         # Absolute, so the manifest lands beside the shards even if the cwd changes.
         self.path = Path(os.path.abspath(expand_rank(spec.path)))
-        prepare_directory(self.path, spec.overwrite)
-        self.writer = ShardWriter(self.path, "grads", spec.shard_bytes)
-        self.reader = ShardReader(self.path)
+        self.staging: Staging | None = None
+        self.failure: BaseException | None = None
         self.finished_manifests = 0
+        self._created: set[str] = set()  # shard files this store wrote since its last manifest
+        recover(self.path)
+        replacing = check_target(self.path, spec.overwrite)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            clean_leftovers(self.path)
+            if replacing:
+                self.staging = Staging(self.path)
+                directory = self.staging.path
+            else:
+                self.path.mkdir(exist_ok=True)
+                directory = self.path
+            marker = directory / STREAM_MARKER
+            marker.write_text(json.dumps({"format": "backlens.bundle-stream"}))
+        except OSError as exc:
+            if self.staging is not None:
+                self.staging.discard()
+            raise BundleError(f"{self.path}: cannot create the bundle directory ({exc.strerror or exc}).",
+                              code="bundle_write_failed", remedy="Choose a writable location.") from exc
+        self.writer = ShardWriter(directory, "grads", spec.shard_bytes)
+        self.reader = ShardReader(directory, self.writer.data_starts)
 
-    def keep(self, tensors: tuple[torch.Tensor | None, ...], name: str) -> tuple:
-        return tuple(
-            None if t is None else self.writer.add(t) if storable(t) else t.detach()
-            for t in tensors
-        )
+    @property
+    def directory(self) -> Path:
+        """Where the shards are written now (the staging directory until it takes ``path``'s place)."""
+        return self.writer.directory
+
+    # -- the TensorStore protocol (keep runs inside the user's backward) -------------
+    def keep(self, tensors: tuple[torch.Tensor | None, ...], name: str) -> tuple | None:
+        if self.failure is not None:
+            return None  # nothing more is kept: memory stays bounded
+        try:
+            return tuple(
+                None if t is None else self._add(t) if storable(t) else t.detach()
+                for t in tensors
+            )
+        except (OSError, BundleError) as exc:
+            self._fail(exc)
+            return None
+
+    def _add(self, tensor: torch.Tensor) -> str:
+        before = set(self.writer.files)
+        name = self.writer.add(tensor)
+        self._created.update(set(self.writer.files) - before)
+        return name
+
+    def _fail(self, exc: BaseException) -> None:
+        self.failure = exc
+        self.writer.drop_pending()
+        warn(f"Storage for bl.to_disk({str(self.path)!r}) failed ({exc}): gradients from now on are not "
+             "saved; the backward runs on and parameters get their .grad as usual. cap.close() and "
+             "cap.save() will raise BundleError.", "storage_failed", in_hook=True)
 
     def load(self, handle: tuple) -> tuple:
         return tuple(self._tensor(item) for item in handle)
@@ -149,19 +207,44 @@ class DiskStore:
     def _tensor(self, item: Any) -> torch.Tensor | None:
         if not isinstance(item, str):
             return item
+        entry = self.writer.index.get(item)
+        if entry is None:
+            return None  # dropped after a storage failure
         if self.writer.is_pending(item):
             # Write it out rather than hand out the pending copy, so records
             # never pin shard-sized buffers in memory.
-            self.writer.flush()
-        return self.reader.tensor(self.writer.index[item])
+            self.flush()
+            entry = self.writer.index.get(item)
+            if entry is None or self.writer.is_pending(item):
+                return None
+        return self.reader.tensor(item, entry)
 
     def flush(self) -> None:
-        self.writer.flush()
+        if self.failure is not None:
+            return
+        before = set(self.writer.files)
+        try:
+            self.writer.flush()
+        except (OSError, BundleError) as exc:
+            self._fail(exc)
+        self._created.update(set(self.writer.files) - before)
+
+    # -- making the bundle -------------------------------------------------------------
+    def check_sound(self) -> None:
+        """Raise BundleError when a write failed during the capture (its bundle would be incomplete)."""
+        if self.failure is not None:
+            raise BundleError(
+                f"{self.path}: the bundle is incomplete: writing to it failed during the capture "
+                f"({self.failure}); gradients from then on were not saved.",
+                code="storage_failed",
+                remedy="Free disk space (or raise the file size limit) and capture again.",
+            ) from self.failure
 
     def finish(self, state: Any) -> None:
         """Write the manifest that makes the directory a loadable bundle (``state``: the capture's)."""
-        directory = self.path
         self.flush()
+        self.check_sound()
+        directory = self.directory
         self.finished_manifests += 1
         extras = ShardWriter(directory, f"extra{self.finished_manifests}")
         try:
@@ -169,16 +252,40 @@ class DiskStore:
             extras.flush()
             body["tensors"] = manifest_io.tensor_section([self.writer, extras])
             manifest_io.write(directory, body)
+            replaced = None
+            if self.staging is not None:
+                replaced = put_in_place(self.staging, self.path, overwrite=True)
+                self.staging = None
+                self.writer.directory = self.path
+                self.reader = ShardReader(self.path, self.writer.data_starts)
         except OSError as exc:
-            raise BundleError(f"{directory}: writing the bundle manifest failed ({exc.strerror or exc}).",
+            raise BundleError(f"{self.path}: writing the bundle manifest failed ({exc.strerror or exc}).",
                               code="bundle_write_failed",
                               remedy="Free disk space or choose a writable location.") from exc
+        self._created.clear()
         referenced = set(body["tensors"]["files"])
-        for leftover in directory.glob(EXTRA_SHARDS):
+        for leftover in self.path.glob(EXTRA_SHARDS):
             if leftover.name not in referenced:  # the extras of an earlier save
                 leftover.unlink(missing_ok=True)
-        (directory / STREAM_MARKER).unlink(missing_ok=True)
+        (self.path / STREAM_MARKER).unlink(missing_ok=True)
+        remove_old(replaced, self.path)
 
     def close(self) -> None:
-        self.writer.flush()
+        """Flush; after a storage failure, remove what cannot become a bundle (it only takes space)."""
+        self.flush()
         self.reader.close()
+        if self.failure is None:
+            return
+        if self.staging is not None:
+            self.staging.discard()
+            self.staging = None
+            return
+        for name in self._created:
+            (self.directory / name).unlink(missing_ok=True)
+        self._created.clear()
+        if self.finished_manifests == 0:  # never a bundle: take the directory back to how it was
+            (self.directory / STREAM_MARKER).unlink(missing_ok=True)
+            try:
+                self.directory.rmdir()
+            except OSError:
+                pass  # not empty: it held something before

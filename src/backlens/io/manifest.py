@@ -38,12 +38,14 @@ import torch
 
 from backlens._version import __version__
 from backlens.errors import BundleError
+from backlens.io.files import BundleDir, parse_json
 from backlens.io.names import MANIFEST
 from backlens.io.schema import SECTIONS, encode_state
 from backlens.io.shards import ShardWriter
 
 FORMAT = "backlens.bundle"
 FORMAT_VERSION = 2
+MAX_MANIFEST_BYTES = 256 << 20  # a bound on what a manifest may cost before it is checked
 HEADER = ("format", "format_version", "backlens_version", "torch_version", "created")
 
 # Upgrades from an older format version to the next one: version -> fn(manifest) -> manifest.
@@ -108,24 +110,26 @@ def write(directory: Path, body: dict[str, Any]) -> None:
     temporary.replace(directory / MANIFEST)
 
 
-def read(path: Path) -> dict[str, Any]:
-    """Parse, check and migrate ``path`` (a manifest.json); BundleError on any problem."""
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise BundleError(f"{path}: cannot read the manifest ({exc.strerror or exc}).",
-                          code="bundle_missing_file") from exc
-    try:
-        manifest = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise BundleError(f"{path}: malformed JSON ({exc}).", code="bundle_corrupt") from exc
+def read(directory: BundleDir) -> dict[str, Any]:
+    """Read, parse, check and migrate a bundle directory's manifest.json; BundleError on any problem.
+
+    The file is refused before it is read when larger than ``MAX_MANIFEST_BYTES``.
+    """
+    path = directory.path(MANIFEST)
+    raw = directory.read(MANIFEST, MAX_MANIFEST_BYTES, "bundle manifest")
+    manifest = parse_json(raw, path, "manifest")
+    del raw
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise BundleError(f"{path}: not a backlens bundle manifest (no \"format\": \"{FORMAT}\").",
                           code="bundle_not_a_bundle")
     version = manifest.get("format_version")
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-        raise BundleError(f"{path}: bad format_version {version!r}.", code="bundle_corrupt")
-    written_by = manifest.get("backlens_version", "?")
+        raise BundleError(f"{path}: bad format_version {str(version)[:40]!r}.", code="bundle_corrupt")
+    for field in ("backlens_version", "torch_version", "created"):
+        if not isinstance(manifest.get(field), str):
+            raise BundleError(f"{path}: field {field}: expected a string, got {str(manifest.get(field))[:40]!r}.",
+                              code="bundle_corrupt", remedy="The bundle is damaged; save it again.")
+    written_by = manifest["backlens_version"][:40]
     if version > FORMAT_VERSION:
         raise BundleError(
             f"{path}: written in bundle format version {version} (by backlens {written_by}); this backlens "
@@ -155,7 +159,7 @@ def read(path: Path) -> dict[str, Any]:
             raise BundleError(f"{path}: migration from format version {before} failed.", code="bundle_too_old")
     expected = {*HEADER, *SECTIONS, "tensors"}
     if manifest.keys() != expected:
-        unknown, missing = sorted(set(manifest) - expected), sorted(expected - set(manifest))
+        unknown, missing = sorted(set(manifest) - expected)[:10], sorted(expected - set(manifest))
         raise BundleError(f"{path}: the manifest's sections differ from format version {FORMAT_VERSION}'s "
                           f"(unknown: {unknown}, missing: {missing}).", code="bundle_corrupt")
     return manifest

@@ -34,9 +34,13 @@ from backlens.capture.state import (
     PassEntry,
 )
 from backlens.cost.checkpoints import CheckpointEntry, CheckpointJournal, RecomputeEntry
+from backlens.cost.journal import FORMAT_VERSION as COST_FORMAT_VERSION
 from backlens.cost.journal import CostJournal
 from backlens.graph.engine import CallSite
 from backlens.graph.table import NodeEntry, NodeTable
+from backlens.io.files import is_plain_name
+from backlens.io.shards import DTYPES as SHARD_DTYPES
+from backlens.io.shards import TensorEntry
 from backlens.select import _Opaque, selector_from_json
 
 
@@ -85,9 +89,31 @@ def _typed(python_type: type, what: str) -> Kind:
     return Kind(_plain, read)
 
 
-INT = _typed(int, "an integer")
 BOOL = _typed(bool, "true or false")
 STR = _typed(str, "a string")
+_INT64_MAX = 2**63 - 1
+
+
+def natural(low: int = 0) -> Kind:
+    """An integer from ``low`` up (never negative: a negative position would count from the end)."""
+    def read(value: Any, _ctx: Any) -> int:
+        _expect(type(value) is int and low <= value <= _INT64_MAX, f"an integer >= {low}", value)
+        return value
+
+    return Kind(_plain, read)
+
+
+NAT = natural(0)
+POSITIVE = natural(1)
+
+
+def one_of(*values: str) -> Kind:
+    """A string from a closed set."""
+    def read(value: Any, _ctx: Any) -> str:
+        _expect(type(value) is str and value in values, f"one of {', '.join(values)}", value)
+        return value
+
+    return Kind(_plain, read)
 
 
 def optional(kind: Kind) -> Kind:
@@ -95,9 +121,10 @@ def optional(kind: Kind) -> Kind:
                 lambda v, ctx: None if v is None else kind.read(v, ctx))
 
 
-def list_of(kind: Kind) -> Kind:
+def list_of(kind: Kind, most: int | None = None) -> Kind:
     def read(value: Any, ctx: Any) -> list:
-        _expect(isinstance(value, list), "a list", value)
+        _expect(isinstance(value, list) and (most is None or len(value) <= most),
+                "a list" if most is None else f"a list of at most {most}", value)
         return [kind.read(item, ctx) for item in value]
 
     return Kind(lambda v, refs: [kind.write(item, refs) for item in v], read)
@@ -143,14 +170,26 @@ def _read_float(value: Any, _ctx: Any) -> float:
     return float(value)
 
 
-FLOAT = Kind(lambda v, refs: v if math.isfinite(v) else repr(float(v)), _read_float)
-SHAPE = Kind(lambda v, refs: list(v), lambda v, ctx: tuple(list_of(INT).read(v, ctx)))
+def _write_float(value: float, _refs: Any) -> Any:
+    return value if math.isfinite(value) else repr(float(value))
+
+
+def _read_fraction(value: Any, ctx: Any) -> float:
+    fraction = _read_float(value, ctx)
+    _expect(0.0 <= fraction <= 1.0, "a fraction from 0 to 1", value)
+    return fraction
+
+
+FLOAT = Kind(_write_float, _read_float)
+FRACTION = Kind(_write_float, _read_fraction)
+MAX_DIMS = 64
+SHAPE = Kind(lambda v, refs: list(v), lambda v, ctx: tuple(list_of(NAT, MAX_DIMS).read(v, ctx)))
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
 
 def _read_dtype(value: Any, _ctx: Any) -> torch.dtype:
-    _expect(value in _DTYPES, "a torch dtype name", value)
+    _expect(type(value) is str and value in _DTYPES, "a torch dtype name", value)
     return _DTYPES[value]
 
 
@@ -167,7 +206,7 @@ def _read_side(value: Any, ctx: Any) -> tuple:
 
 SIDE = Kind(lambda v, refs: refs.side(v), _read_side)
 CALL_SITE = Kind(lambda v, refs: [v.file, v.line, v.function],
-                 lambda v, ctx: CallSite(*row(STR, INT, STR).read(v, ctx)))
+                 lambda v, ctx: CallSite(*row(STR, NAT, STR).read(v, ctx)))
 
 
 def _read_error(value: Any, ctx: Any) -> RecordedError:
@@ -192,6 +231,7 @@ def _read_policy(value: Any, ctx: Any) -> GradPolicy:
     spec, text = value[0], STR.read(value[1], ctx)
     if isinstance(spec, bool):
         return GradPolicy(spec)
+    _expect(isinstance(spec, dict), "a selector object", spec)
     selector = selector_from_json(spec)  # selectors are rebuilt from a closed set of kinds
     if isinstance(selector, _Opaque) and text.startswith("save_grads="):
         selector = _Opaque(text[len("save_grads="):])
@@ -201,12 +241,13 @@ def _read_policy(value: Any, ctx: Any) -> GradPolicy:
 POLICY = Kind(_write_policy, _read_policy)
 
 
-def _read_cost(value: Any, _ctx: Any) -> CostJournal:
-    _expect(isinstance(value, dict), "the cost journal", value)
-    return CostJournal.from_dict(value)
+def one_of_int(*values: int) -> Kind:
+    """An integer from a closed set (a format version)."""
+    def read(value: Any, _ctx: Any) -> int:
+        _expect(type(value) is int and value in values, f"one of {values}", value)
+        return value
 
-
-COST = Kind(lambda v, refs: v.to_dict(), _read_cost)
+    return Kind(_plain, read)
 
 
 class Schema:
@@ -265,60 +306,99 @@ def _pass_entry(position: int, **fields: Any) -> PassEntry:
     return PassEntry(**fields)
 
 
+def _op_entry(position: int, **fields: Any) -> OpEntry:
+    # An op's inputs were made before it: a parent at or after it would be a cycle.
+    _expect(all(parent < position for parent in fields["parents"]), f"parents before op {position}",
+            fields["parents"])
+    return OpEntry(index=position, **fields)
+
+
+def _module_call_entry(position: int, **fields: Any) -> ModuleCallEntry:
+    parent, start, end = fields["parent"], fields["op_start"], fields["op_end"]
+    _expect(parent is None or parent < position, f"a parent call before call {position}", parent)
+    _expect(end is None or start <= end, f"op_end >= op_start ({start})", end)
+    return ModuleCallEntry(index=position, **fields)
+
+
+def _collective_entry(_position: int, params: list, modules: list, **fields: Any) -> CollectiveEntry:
+    start, end = fields["start_ns"], fields["end_ns"]
+    _expect(end is None or start <= end, f"end_ns >= start_ns ({start})", end)
+    return CollectiveEntry(params=tuple(params), modules=tuple(modules), **fields)
+
+
+def _capture_flags(_position: int, **fields: Any) -> dict[str, Any]:
+    rank, world_size = fields["rank"], fields["world_size"]
+    _expect((rank is None) == (world_size is None), "rank and world_size both set or both null", [rank, world_size])
+    _expect(rank is None or rank < world_size, f"a rank below world_size ({world_size})", rank)
+    return fields
+
+
+def _checkpoint_entry(_position: int, **fields: Any) -> CheckpointEntry:
+    start, end = fields["op_start"], fields["op_end"]
+    _expect(start <= end, f"op_end >= op_start ({start})", end)
+    _expect((fields["packed"] is None) == fields["reentrant"], "packed null exactly for a reentrant checkpoint",
+            fields["packed"])
+    return CheckpointEntry(**fields)
+
+
+PASS_STATUSES = ("running", "ok", "failed", "recording_failed")
+SOURCE_KINDS = ("input", "param", "buffer")
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+
 EDIT = Schema({"site": STR, "edit": STR, "op": optional(STR), "module": optional(STR),
-               "pass_number": optional(INT), "norm_before": FLOAT, "norm_after": FLOAT},
+               "pass_number": optional(number("passes")), "norm_before": FLOAT, "norm_after": FLOAT},
               lambda _at, **f: EditApplication(**f))
 OP = Schema({"name": STR, "label": STR, "module_call": optional(ref("modules")), "shape": optional(SHAPE),
-             "dtype": optional(DTYPE), "num_outputs": INT, "parents": list_of(ref("ops")),
-             "sources": list_of(ref("sources")), "output_nr": INT, "inplace": BOOL, "activation": optional(TENSOR)},
-            lambda at, **f: OpEntry(index=at, **f))
-MODULE_CALL = Schema({"address": STR, "call": INT,
+             "dtype": optional(DTYPE), "num_outputs": NAT, "parents": list_of(ref("ops")),
+             "sources": list_of(ref("sources")), "output_nr": NAT, "inplace": BOOL, "activation": optional(TENSOR)},
+            _op_entry)
+MODULE_CALL = Schema({"address": STR, "call": POSITIVE,
                       "parent": optional(ref("modules")), "op_start": upto("ops"), "op_end": optional(upto("ops")),
-                      "output_shape": optional(SHAPE), "output_nr": INT, "output_tracked": BOOL},
-                     lambda at, **f: ModuleCallEntry(index=at, **f))
+                      "output_shape": optional(SHAPE), "output_nr": NAT, "output_tracked": BOOL},
+                     _module_call_entry)
 PARAM = Schema({"name": STR, "shape": SHAPE, "dtype": DTYPE, "requires_grad": BOOL, "grad": optional(TENSOR)},
                lambda _at, grad, **f: ParamEntry(saved_grad=grad, **f),
                lambda p: {"name": p.name, "shape": p.shape, "dtype": p.dtype, "requires_grad": p.requires_grad,
                           "grad": _local(p.grad)})
 INPUT = Schema({"name": STR, "shape": SHAPE, "dtype": DTYPE, "requires_grad": BOOL, "was_parameter": BOOL},
                lambda _at, **f: InputEntry(**f))
-NODE = Schema({"label": STR, "type": STR, "sequence_nr": optional(INT), "op": optional(ref("ops")),
-               "module_call": optional(ref("modules")), "module_source": optional(STR), "order": optional(INT),
-               "is_custom": BOOL, "param": optional(STR), "source": optional(ref("sources"))},
+NODE = Schema({"label": STR, "type": STR, "sequence_nr": optional(NAT), "op": optional(ref("ops")),
+               "module_call": optional(ref("modules")), "module_source": optional(one_of("paired", "inferred")),
+               "order": optional(POSITIVE), "is_custom": BOOL, "param": optional(STR),
+               "source": optional(ref("sources"))},
               lambda at, **f: NodeEntry(index=at, **f))
-CALL = Schema({"node": ref("grad_fns"), "pass_number": number("passes"), "ordinal": INT, "start_ns": optional(INT),
-               "end_ns": INT, "hook_ns": INT, "wait_ns": INT, "grad_inputs": optional(SIDE),
-               "grad_outputs": optional(SIDE),
-               "flops": optional(INT), "recompute_flops": optional(INT)},
+CALL = Schema({"node": ref("grad_fns"), "pass_number": number("passes"), "ordinal": POSITIVE,
+               "start_ns": optional(NAT), "end_ns": NAT, "hook_ns": NAT, "wait_ns": NAT,
+               "grad_inputs": optional(SIDE), "grad_outputs": optional(SIDE), "flops": optional(NAT),
+               "recompute_flops": optional(NAT)},
               lambda _at, **f: CallEntry(**f))
-PASS = Schema({"number": INT, "trigger": STR, "call_site": optional(CALL_SITE), "retain_graph": optional(BOOL),
-               "create_graph": BOOL, "policy": POLICY, "start_ns": INT, "status": STR, "error": optional(ERROR),
-               "end_ns": optional(INT), "orders": list_of(INT), "order_coverage": FLOAT,
-               "other_capture_nodes": INT, "edits": entries(EDIT)},
+PASS = Schema({"number": POSITIVE, "trigger": STR, "call_site": optional(CALL_SITE), "retain_graph": optional(BOOL),
+               "create_graph": BOOL, "policy": POLICY, "start_ns": NAT, "status": one_of(*PASS_STATUSES),
+               "error": optional(ERROR), "end_ns": optional(NAT), "orders": list_of(POSITIVE),
+               "order_coverage": FRACTION, "other_capture_nodes": NAT, "edits": entries(EDIT)},
               _pass_entry)
-COLLECTIVE = Schema({"pass_number": number("passes"), "kind": STR, "bytes": INT, "start_ns": INT,
-                     "end_ns": optional(INT), "params": list_of(STR), "modules": list_of(STR)},
-                    lambda _at, params, modules, **f: CollectiveEntry(params=tuple(params), modules=tuple(modules),
-                                                                      **f))
+COLLECTIVE = Schema({"pass_number": number("passes"), "kind": one_of(*COLLECTIVE_KINDS), "bytes": NAT,
+                     "start_ns": NAT, "end_ns": optional(NAT), "params": list_of(STR), "modules": list_of(STR)},
+                    _collective_entry)
 CAPTURE = Schema({"inference_only": BOOL, "backward_requested": BOOL, "flops_enabled": BOOL,
-                  "inference_cause": optional(STR), "rank": optional(INT), "world_size": optional(INT)},
-                 lambda _at, **f: f)
-SOURCES = Schema({"kinds": list_of(STR), "names": list_of(STR)},
+                  "inference_cause": optional(STR), "rank": optional(NAT), "world_size": optional(POSITIVE)},
+                 _capture_flags)
+SOURCES = Schema({"kinds": list_of(one_of(*SOURCE_KINDS)), "names": list_of(STR)},
                  lambda _at, **f: f,
                  lambda journal: {"kinds": journal.source_kinds, "names": journal.source_names})
 SLOTS = Schema({"ops": list_of(row(ref("ops"), ref("grad_fns"))),
                 "modules": list_of(row(ref("modules"), ref("grad_fns"))),
                 "params": list_of(row(STR, ref("grad_fns"))),
-                "inputs": list_of(row(ref("inputs"), ref("grad_fns"), INT)),
+                "inputs": list_of(row(ref("inputs"), ref("grad_fns"), NAT)),
                 "extra_input_grads": list_of(row(ref("inputs"), TENSOR, number("passes")))},
                lambda _at, **f: f,
                lambda fields: fields)
 RECOMPUTE = Schema({"pass_number": number("passes"), "call": optional(ref("calls")),
-                   "recompute_flops": optional(INT), "duration_ns": optional(INT)},
+                   "recompute_flops": optional(NAT), "duration_ns": optional(NAT)},
                   lambda _at, **f: RecomputeEntry(**f))
 CHECKPOINT = Schema({"module_call": optional(ref("modules")), "op_start": upto("ops"), "op_end": upto("ops"),
-                     "packed": optional(INT), "reentrant": BOOL, "recomputed": entries(RECOMPUTE)},
-                    lambda _at, **f: CheckpointEntry(**f),
+                     "packed": optional(NAT), "reentrant": BOOL, "recomputed": entries(RECOMPUTE)},
+                    _checkpoint_entry,
                     # a recomputation whose pass still runs has no call position yet: not written
                     lambda e: {"module_call": e.module_call, "op_start": e.op_start, "op_end": e.op_end,
                                "packed": e.packed, "reentrant": e.reentrant,
@@ -331,6 +411,116 @@ def _local(tensor: torch.Tensor | None) -> torch.Tensor | None:
     """A sharded (DTensor) gradient is saved as this rank's shard."""
     to_local = getattr(tensor, "to_local", None)
     return to_local() if to_local is not None else tensor
+
+
+# The cost journal (cost/journal.py): plain data, read back field by field.
+FORWARD_FAILURE = Schema({"op_index": ref("ops"), "func": STR, "error": STR}, lambda _at, **f: f)
+FORWARD_COST = Schema({"op_flops": list_of(optional(NAT)), "replay_failures": entries(FORWARD_FAILURE)},
+                      lambda _at, **f: f)
+UNATTRIBUTED_OP = Schema({"op": STR, "under": optional(STR), "calls": NAT, "flops": NAT}, lambda _at, **f: f)
+
+
+def _aten_columns(_position: int, **columns: Any) -> dict[str, list]:
+    calls = len(columns["op"])
+    _expect(all(len(column) == calls for column in columns.values() if column is not columns["names"]),
+            f"op, call, flops and grad_enabled of one length ({calls})", {k: len(v) for k, v in columns.items()})
+    names = len(columns["names"])
+    _expect(all(op < names for op in columns["op"]), f"op indices into names (0..{names - 1})", columns["op"])
+    return columns
+
+
+# A pass's ATen calls, as columns (cost/aten_ops.py).
+ATEN_OPS = Schema({"names": list_of(STR), "op": list_of(NAT), "call": list_of(optional(ref("calls"))),
+                   "flops": list_of(NAT), "grad_enabled": list_of(BOOL)},
+                  _aten_columns)
+
+
+def _pass_cost(_position: int, **fields: Any) -> dict[str, Any]:
+    aten_ops, aten_calls = fields["aten_ops"], fields["aten_calls"]
+    _expect(aten_ops is None or aten_calls == len(aten_ops["op"]), "aten_calls equal to the ATen calls listed",
+            aten_calls)
+    return fields
+
+
+PASS_COST = Schema({"pass": number("passes"), "counted": BOOL, "reason": optional(STR),
+                    "executed_flops": optional(NAT), "unattributed_flops": optional(NAT),
+                    "unattributed_ops": entries(UNATTRIBUTED_OP), "recompute_known": BOOL,
+                    "recompute_flops": optional(NAT), "attributed": BOOL, "aten_calls": optional(NAT),
+                    "aten_ops": optional(one(ATEN_OPS))},
+                   _pass_cost)
+COST_JOURNAL = Schema({"version": one_of_int(COST_FORMAT_VERSION), "forward": optional(one(FORWARD_COST)),
+                       "passes": entries(PASS_COST)},
+                      lambda _at, **f: f)
+
+
+def _read_cost(value: Any, ctx: Any) -> CostJournal:
+    return CostJournal.from_dict(COST_JOURNAL.read(value, ctx))
+
+
+COST = Kind(lambda v, refs: v.to_dict(), _read_cost)
+
+
+# The tensor index (the manifest's "tensors" section, io/shards.py): every shard file and every tensor.
+def _read_hex64(value: Any, _ctx: Any) -> str:
+    _expect(type(value) is str and len(value) == 64 and all(c in "0123456789abcdef" for c in value),
+            "a sha256 (64 lowercase hex digits)", value)
+    return value
+
+
+def _read_shard_name(value: Any, _ctx: Any) -> str:
+    _expect(is_plain_name(value) and value.endswith(".safetensors"),
+            "a shard file name in the bundle directory (name.safetensors)", value)
+    return value
+
+
+def _tensor_entry(_position: int, offsets: tuple, **fields: Any) -> TensorEntry:
+    _expect(offsets[0] <= offsets[1], "offsets [begin, end] with begin <= end", list(offsets))
+    return TensorEntry(offsets=list(offsets), shape=list(fields.pop("shape")), **fields)
+
+
+SHA256 = Kind(_plain, _read_hex64)
+SHARD_NAME = Kind(_plain, _read_shard_name)
+SHARD_FILE = Schema({"bytes": NAT, "sha256": SHA256}, lambda _at, **f: f)
+TENSOR_ENTRY = Schema({"file": SHARD_NAME, "dtype": one_of(*SHARD_DTYPES), "shape": SHAPE,
+                       "offsets": row(NAT, NAT), "sha256": SHA256},
+                      _tensor_entry)
+
+
+def mapping_of(kind: Kind) -> Kind:
+    """An object whose values are of one kind (keys are the names)."""
+    def read(value: Any, ctx: Any) -> dict[str, Any]:
+        _expect(isinstance(value, dict), "an object", value)
+        out = {}
+        for key, item in value.items():
+            try:
+                out[key] = kind.read(item, ctx)
+            except ValueError as exc:
+                raise ValueError(f"[{key[:80]!r}] {exc}") from None
+        return out
+
+    return Kind(_plain, read)
+
+
+TENSOR_SECTION = Schema({"files": mapping_of(one(SHARD_FILE)), "index": mapping_of(one(TENSOR_ENTRY))},
+                        lambda _at, **f: f)
+
+
+def read_tensor_section(value: Any) -> tuple[dict[str, dict[str, Any]], dict[str, TensorEntry]]:
+    """The shard files (name -> bytes, sha256) and tensor entries of a manifest's ``tensors``
+    section; ValueError naming the first bad field, or a tensor in a file not listed."""
+    try:
+        section = TENSOR_SECTION.read(value, None)
+    except ValueError as exc:
+        raise ValueError(f"tensors: {exc}") from None
+    for name in section["files"]:
+        try:
+            _read_shard_name(name, None)
+        except ValueError as exc:
+            raise ValueError(f"tensors: files: {exc}") from None
+    for name, entry in section["index"].items():
+        _expect(entry.file in section["files"], f"tensors: index[{name[:80]!r}]: a file listed in tensors.files",
+                entry.file)
+    return section["files"], section["index"]
 
 
 def _read_module_types(value: Any, ctx: Any) -> dict[str, str]:
@@ -419,4 +609,23 @@ def decode_state(body: dict[str, Any], ctx: Any, store: Any) -> CaptureState:
     state.forward_edits = sections["forward_edits"]
     state.cost = sections["cost"]
     state.checkpoints = sections["checkpoints"]
+    _check_calls_in_their_passes(state)
     return state
+
+
+def _check_calls_in_their_passes(state: CaptureState) -> None:
+    """A node call named by a pass's ATen census or a recomputation is a call of that pass."""
+    calls = state.calls
+
+    def check(where: str, number: int, positions: Any) -> None:
+        for position in positions:
+            if position is not None and calls[position].pass_number != number:
+                raise ValueError(f"{where}: call {position} is a call of pass {calls[position].pass_number}, "
+                                 f"not of pass {number}")
+
+    for at, pass_cost in enumerate(state.cost.passes if state.cost is not None else ()):
+        if pass_cost["aten_ops"] is not None:
+            check(f"cost: passes: [{at}] aten_ops: call", pass_cost["pass"], pass_cost["aten_ops"]["call"])
+    for at, entry in enumerate(state.checkpoints.entries if state.checkpoints is not None else ()):
+        for recompute in entry.recomputed:
+            check(f"checkpoints: entries: [{at}] recomputed", recompute.pass_number, [recompute.call])

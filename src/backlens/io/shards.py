@@ -1,4 +1,4 @@
-"""Safetensors shards: a streaming, content-deduplicating writer and a lazy reader.
+"""Safetensors shards: a streaming, content-deduplicating writer and a checking reader.
 
 The files are plain safetensors (8-byte little-endian header length, a JSON
 header padded with spaces to 8 bytes, then the tensors' bytes with no holes),
@@ -12,10 +12,12 @@ Contracts:
   writes a shard whenever that fills. Equal tensors (same bytes, dtype and
   shape) are stored once under one name.
 * Inside a shard, tensors are ordered by element size (largest first), so
-  every tensor starts at a multiple of its element size and maps without a copy.
-* :class:`ShardReader` maps shard files copy-on-write: a tensor it returns
-  costs no memory until its pages are read, and writing to it never changes
-  the file.
+  every tensor starts at a multiple of its element size.
+* :class:`ShardReader` reads each tensor into memory of its own when it is
+  asked for and checks its sha256 first: a shard changed or truncated later
+  raises :class:`BundleError` and never changes a tensor already returned.
+  (Shards are not memory-mapped: a mapped file truncated under a reader kills
+  the process with SIGBUS.)
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import hashlib
 import json
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +36,7 @@ import numpy as np
 import torch
 
 from backlens.errors import BundleError
+from backlens.io.files import BundleDir, damaged, parse_json, read_exact
 from backlens.io.names import shard_file
 
 DTYPES: dict[str, torch.dtype] = {
@@ -59,7 +63,7 @@ ITEMSIZE: dict[str, int] = {code: torch.empty((), dtype=dtype).element_size() fo
 
 DEFAULT_SHARD_BYTES = 16 << 20
 _HEADER_LIMIT = 100 << 20  # a header larger than this is corruption, not data
-_METADATA = {"format": "backlens"}
+SHARD_METADATA = {"format": "backlens"}
 
 
 @dataclass
@@ -118,12 +122,15 @@ class ShardWriter:
     of such copies wait for ``flush``.
     """
 
-    def __init__(self, directory: Path, prefix: str, shard_bytes: int = DEFAULT_SHARD_BYTES):
+    def __init__(self, directory: Path, prefix: str, shard_bytes: int = DEFAULT_SHARD_BYTES,
+                 advance: Callable[[float], None] | None = None):
         self.directory = Path(directory)
+        self.advance = advance  # told of the bytes of every tensor stored (a progress bar)
         self.prefix = prefix
         self.shard_bytes = max(int(shard_bytes), 1)
         self.index: dict[str, TensorEntry] = {}
         self.files: dict[str, dict[str, Any]] = {}
+        self.data_starts: dict[str, int] = {}  # file -> offset of its data section
         self._by_content: dict[tuple, str] = {}
         self._pending: list[tuple[str, torch.Tensor]] = []
         self._pending_bytes = 0
@@ -151,9 +158,19 @@ class ShardWriter:
         self.index[name] = TensorEntry("", CODES[tensor.dtype], list(tensor.shape), [0, 0], digest)
         self._pending.append((name, data))
         self._pending_bytes += data.nbytes
+        if self.advance is not None:
+            self.advance(data.nbytes)
         if self._pending_bytes >= self.shard_bytes:
             self.flush()
         return name
+
+    def drop_pending(self) -> None:
+        """Forget the tensors not written yet (after a write failed: memory stays bounded)."""
+        for name, _data in self._pending:
+            self.index.pop(name, None)
+        self._by_content = {key: name for key, name in self._by_content.items() if name in self.index}
+        self._pending = []
+        self._pending_bytes = 0
 
     def is_pending(self, name: str) -> bool:
         entry = self.index.get(name)
@@ -168,7 +185,7 @@ class ShardWriter:
         path = self.directory / file_name
         index = self.index
         pending = sorted(self._pending, key=lambda item: -ITEMSIZE[index[item[0]].dtype])
-        header: dict[str, Any] = {"__metadata__": _METADATA}
+        header: dict[str, Any] = {"__metadata__": SHARD_METADATA}
         offset = 0
         for name, data in pending:
             end = offset + data.nbytes
@@ -189,6 +206,10 @@ class ShardWriter:
                 handle.flush()
                 os.fsync(handle.fileno())
         except OSError as exc:
+            try:
+                path.unlink()  # a partial shard only takes space
+            except OSError:
+                pass
             raise BundleError(
                 f"{path}: cannot write tensor shard ({exc.strerror or exc}).",
                 code="bundle_write_failed",
@@ -199,97 +220,99 @@ class ShardWriter:
             entry.file = file_name
             entry.offsets = list(header[name]["data_offsets"])
         self.files[file_name] = {"bytes": 8 + len(text) + offset, "sha256": digest.hexdigest()}
+        self.data_starts[file_name] = 8 + len(text)
         self._pending = []
         self._pending_bytes = 0
 
 
 class ShardReader:
-    """Reads tensors out of shard files in ``directory`` lazily (memory-mapped)."""
+    """Reads tensors out of the shard files of a bundle directory, one checked copy at a time.
 
-    def __init__(self, directory: Path):
-        self.directory = Path(directory)
-        self._maps: dict[str, tuple[np.memmap, int]] = {}
+    ``data_starts`` maps a file name to where its data section starts (8 bytes
+    plus its header); a file not in it has its header length read first. Each
+    tensor is read into memory of its own and its sha256 checked against its
+    entry before it is returned, so a shard changed, replaced or truncated
+    after the bundle was written or loaded raises :class:`BundleError` and
+    never changes a tensor already handed out.
+    """
 
-    def tensor(self, entry: TensorEntry) -> torch.Tensor:
-        """The tensor ``entry`` describes, mapped copy-on-write from its shard."""
-        mapped, data_start = self._map(entry.file)
+    def __init__(self, directory: BundleDir | Path, data_starts: dict[str, int] | None = None):
+        self.directory = directory if isinstance(directory, BundleDir) else BundleDir(directory)
+        self.data_starts = data_starts if data_starts is not None else {}
+
+    def tensor(self, name: str, entry: TensorEntry) -> torch.Tensor:
+        """The tensor ``entry`` describes, read from its shard and checked."""
         begin, end = entry.offsets
         dtype = DTYPES[entry.dtype]
-        if end == begin:
-            return torch.empty(entry.shape, dtype=dtype)
-        raw = torch.from_numpy(mapped[data_start + begin:data_start + end])
+        raw = torch.empty(end - begin, dtype=torch.uint8)
+        path = self.directory.path(entry.file)
+        if end > begin:
+            descriptor = self.directory.open(entry.file)
+            try:
+                start = self.data_starts.get(entry.file)
+                if start is None:
+                    start = self.data_starts[entry.file] = 8 + read_header(descriptor, path)[1]
+                read_exact(descriptor, end - begin, start + begin, path, into=raw.numpy())
+            finally:
+                os.close(descriptor)
+        if hashlib.sha256(raw.numpy()).hexdigest() != entry.sha256:
+            raise damaged(f"{path}: tensor {name!r} does not match its sha256 (the shard was changed after "
+                          "the bundle was written).")
         return raw.view(dtype).reshape(entry.shape)
 
-    def _map(self, file_name: str) -> tuple[np.memmap, int]:
-        found = self._maps.get(file_name)
-        if found is None:
-            path = self.directory / file_name
-            try:
-                header_size = read_header(path)[1]
-                mapped = np.memmap(path, dtype=np.uint8, mode="c")
-            except OSError as exc:
-                raise BundleError(f"{path}: cannot read tensor shard ({exc.strerror or exc}).",
-                                  code="bundle_missing_file") from exc
-            found = self._maps[file_name] = (mapped, 8 + header_size)
-        return found
-
     def close(self) -> None:
-        """Forget the maps; tensors already returned keep their own."""
-        self._maps.clear()
+        """Nothing is held open between reads."""
 
 
-def read_header(path: Path) -> tuple[dict[str, Any], int]:
-    """The parsed JSON header of a shard and its length in bytes."""
-    with open(path, "rb") as handle:
-        head = handle.read(8)
-        if len(head) < 8:
-            raise BundleError(f"{path}: truncated tensor shard (no header).", code="bundle_corrupt")
-        (size,) = struct.unpack("<Q", head)
-        if size > _HEADER_LIMIT:
-            raise BundleError(f"{path}: corrupt tensor shard (header length {size}).",
-                              code="bundle_corrupt")
-        text = handle.read(size)
-    if len(text) < size:
-        raise BundleError(f"{path}: truncated tensor shard (header cut short).", code="bundle_corrupt")
-    try:
-        header = json.loads(text.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise BundleError(f"{path}: corrupt tensor shard header ({exc}).", code="bundle_corrupt") from exc
+def read_header(descriptor: int, path: Path, limit: int = _HEADER_LIMIT) -> tuple[dict[str, Any], int]:
+    """The parsed JSON header of the shard open at ``descriptor`` and its length in bytes.
+
+    A header longer than ``limit`` (or than the file) is refused before it is read.
+    """
+    size_of_file = os.fstat(descriptor).st_size
+    if size_of_file < 8:
+        raise damaged(f"{path}: truncated tensor shard (no header).")
+    (size,) = struct.unpack("<Q", read_exact(descriptor, 8, 0, path))
+    if size > min(limit, size_of_file - 8):
+        raise damaged(f"{path}: corrupt tensor shard (header length {size}; its tensors need at most "
+                      f"{min(limit, size_of_file - 8)}).")
+    header = parse_json(read_exact(descriptor, size, 8, path), path, "tensor shard header", max_depth=4)
     if not isinstance(header, dict):
-        raise BundleError(f"{path}: corrupt tensor shard header (not an object).", code="bundle_corrupt")
+        raise damaged(f"{path}: corrupt tensor shard header (not an object).")
     return header, size
 
 
-def hash_file(path: Path, ranges: list[tuple[str, int, int]]) -> tuple[str, int, dict[str, str]]:
-    """One read of ``path``: its sha256, its size, and the sha256 of each named byte range.
+def hash_file(descriptor: int, path: Path, ranges: list[tuple[str, int, int]],
+              advance: Callable[[float], None] | None = None) -> tuple[str, dict[str, str]]:
+    """One read of the file open at ``descriptor``: its sha256 and the sha256 of each named byte range.
 
     Ranges are ``(name, begin, end)`` in file offsets and must not overlap.
+    ``advance(n)`` is told of every ``n`` bytes read (a progress bar).
     """
     whole = hashlib.sha256()
     parts: dict[str, str] = {}
     ordered = sorted(ranges, key=lambda r: r[1])
+    size = os.fstat(descriptor).st_size
+    chunk = bytearray(1 << 20)
     position = 0
-    with open(path, "rb") as handle:
-        def read_to(stop: int, part: Any = None) -> None:
-            nonlocal position
-            while position < stop:
-                chunk = handle.read(min(1 << 20, stop - position))
-                if not chunk:
-                    return
-                whole.update(chunk)
-                if part is not None:
-                    part.update(chunk)
-                position += len(chunk)
 
-        for name, begin, end in ordered:
-            read_to(begin)
-            part = hashlib.sha256()
-            read_to(end, part)
-            parts[name] = part.hexdigest()
-        while True:
-            chunk = handle.read(1 << 20)
-            if not chunk:
-                break
-            whole.update(chunk)
-            position += len(chunk)
-    return whole.hexdigest(), position, parts
+    def read_to(stop: int, part: Any = None) -> None:
+        nonlocal position
+        while position < stop:
+            length = min(len(chunk), stop - position)
+            view = memoryview(chunk)[:length]
+            read_exact(descriptor, length, position, path, into=view)
+            whole.update(view)
+            if part is not None:
+                part.update(view)
+            position += length
+            if advance is not None:
+                advance(length)
+
+    for name, begin, end in ordered:
+        read_to(begin)
+        part = hashlib.sha256()
+        read_to(end, part)
+        parts[name] = part.hexdigest()
+    read_to(size)
+    return whole.hexdigest(), parts

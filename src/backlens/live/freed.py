@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import contextvars
 import threading
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, NamedTuple
 
 import torch
 
+from backlens._fence import complete
 from backlens._frames import user_frame
 from backlens.errors import BacklensError, FreedGraphError
 from backlens.graph import engine
@@ -105,7 +107,7 @@ def _capital(text: str) -> str:
 
 # Set while backlens runs a `.backward()` it records itself.
 recording_own = contextvars.ContextVar("backlens_recording_own_backward", default=False)
-_watching = False
+_watching: set[object] = set()  # one token per trace running now (any thread)
 _watch_lock = threading.Lock()
 
 
@@ -123,19 +125,28 @@ def _on_engine_run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     tracer._backwards.append(BackwardCall(invoke, retain, frame.f_code.co_filename, frame.f_lineno, call, tracer._single))
 
 
-def watch_engine() -> None:
-    """Have the engine wrapper tell traces of the runs their bodies start (to name who freed a graph).
+@contextmanager
+def engine_watched() -> Iterator[None]:
+    """Have the engine wrapper tell the traces running now of the runs their bodies start (to
+    name who freed a graph): observed while any trace runs, so that outside traces torch's
+    engine entry point is its own again. A Ctrl-C cannot leave the observer behind."""
+    token = object()
+    try:
+        _watching.add(token)
+        _sync_watch()
+        yield
+    finally:
+        complete(lambda: (_watching.discard(token), _sync_watch()))
 
-    Installed with the first trace and kept, like the wrapper itself: outside
-    a trace the observer returns at once.
-    """
-    global _watching
-    if _watching:
-        return
+
+def _sync_watch() -> None:
+    """Observe exactly while some trace runs (idempotent)."""
     with _watch_lock:
-        if not _watching:
+        observing = engine.observing(_on_engine_run)
+        if _watching and not observing:
             engine.observe(_on_engine_run)
-            _watching = True
+        elif not _watching and observing:
+            engine.unobserve(_on_engine_run)
 
 
 class GraphStore:

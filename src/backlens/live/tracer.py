@@ -22,7 +22,7 @@ from backlens.live.batching import Batcher
 from backlens.live.compiler import compile_body
 from backlens.live.context import Block, current_block, running, saved_names
 from backlens.live.forward import ForwardRun, Invoke
-from backlens.live.freed import BackwardCall, GraphStore, watch_engine
+from backlens.live.freed import BackwardCall, GraphStore, engine_watched
 from backlens.live.source import with_item_at
 from backlens.live.torchstate import CallerState
 from backlens.live.withbody import WithBody, refusal
@@ -119,8 +119,7 @@ class Tracer(WithBody):
         if self.keep_graph:
             self._graph_store = GraphStore()
         updates: dict[str, Any] = {}
-        watch_engine()
-        with state.applied():
+        with engine_watched(), state.applied():
             if self._has_inputs:
                 args, kwargs = self._inputs
                 self._invokes = [Invoke(0, args, kwargs, body, state)]

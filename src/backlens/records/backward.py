@@ -16,6 +16,7 @@ from backlens.graph.labels import call_label
 from backlens.records.aten import AtenOpList, aten_ops_of
 from backlens.records.base import Record, RecordList
 from backlens.records.collectives import CollectiveList
+from backlens.records.grads import check_pass_number
 
 
 class GradFn(Record, NodeView):
@@ -147,6 +148,7 @@ class NodeCalls(CallList):
 
     def for_pass(self, k: int) -> GradFnCall:
         """The one call of pass ``k`` (a node fires at most once per engine run)."""
+        check_pass_number(k, "calls.for_pass")
         calls = self._state.calls
         found = [p for p in self._positions if calls[p].pass_number == k]
         if len(found) == 1:
@@ -190,7 +192,8 @@ class BackwardPass(Record):
     retain_graph = entry_field("retain_graph")
     create_graph = entry_field("create_graph")
     save_grads_policy = entry_field("policy", "The save policy it ran under.")
-    status = entry_field("status", "``running``, ``ok`` or ``failed``.")
+    status = entry_field("status", "``running``, ``ok``, ``failed``, or ``recording_failed`` (the backward ran "
+                         "unchanged but backlens could not record all of it; ``error`` says why).")
     error = entry_field("error", "The exception a failed pass raised (a loaded one: its type name and message).")
     orders = entry_field("orders", "The node orders that ran (``[1]``; ``[1, 2]`` with second-order nodes).")
     order_coverage = entry_field("order_coverage", "The resolved fraction (by order) of the nodes that fired in it; "
@@ -253,7 +256,8 @@ class PassList(RecordList[BackwardPass]):
         super().__init__(state, BackwardPass, positions)
 
     def for_pass(self, k: int) -> BackwardPass:
-        if isinstance(k, int) and k - 1 in self._positions:
+        check_pass_number(k, "passes.for_pass")
+        if k - 1 in self._positions:
             return self._record(k - 1)
         numbers = [p + 1 for p in self._positions]
         raise LabelNotFoundError(

@@ -12,6 +12,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 from backlens._pandas import data_frame
 from backlens.capture.views import View
+from backlens.errors import LabelNotFoundError, UnsupportedInputError
 from backlens.graph.labels import label_not_found
 
 R = TypeVar("R", bound="Record")
@@ -87,9 +88,21 @@ class RecordList(Generic[R]):
             return self._record(found)
         if isinstance(key, slice):
             return [self._record(p) for p in self._positions[key]]
+        if isinstance(key, bool) or not isinstance(key, int):
+            raise UnsupportedInputError(
+                f"Records ({self.kind} list) are indexed by position (int), label (str) or slice, not "
+                f"{type(key).__name__} ({key!r}).", code="bad_index",
+                remedy="Use a position such as [0], a label from .labels(), or a slice.")
+        if not -len(self._positions) <= key < len(self._positions):
+            raise LabelNotFoundError(
+                f"No {self.kind} at position {key}: there are {len(self._positions)} "
+                f"(positions 0..{len(self._positions) - 1}).", code="index_out_of_range",
+                remedy=f"Use a position below {len(self._positions)}, or look up by label.")
         return self._record(self._positions[key])
 
     def get(self, key: str, default: Any = None) -> Any:
+        if not isinstance(key, str):
+            return default
         found = self._index().get(key)
         return default if found is None else self._record(found)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from backlens.errors import UnsupportedInputError
 from backlens.graph.labels import label_not_found
 from backlens.records.backward import BackwardPass, CallList, GradFn, PassList
 from backlens.records.base import RecordList
@@ -99,6 +100,11 @@ class CaptureRecords:
 
     def __getitem__(self, label: str) -> Any:
         """An op by label, else a module call by address, a node or a node call by label."""
+        if not isinstance(label, str):
+            raise UnsupportedInputError(
+                f"cap[...] looks records up by label (a str), not {type(label).__name__} ({label!r}).",
+                code="bad_index",
+                remedy="Use a label such as cap['linear_1']; by position, use a list: cap.ops[3], cap.passes[0].")
         lists = (self.ops, self.modules, self.grad_fns, self.grad_fn_calls)
         for records in lists:
             found = records.get(label)

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from backlens.errors import AmbiguousGradError
+from backlens.errors import AmbiguousGradError, UnsupportedInputError
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,14 @@ def single_grad(grads: Sequence[GradRecord], what: str, why: Callable[[], str] |
     )
 
 
+def check_pass_number(k: Any, where: str) -> None:
+    """Pass numbers are integers from 1."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise UnsupportedInputError(
+            f"{where}: a backward pass number is an integer from 1, got {k!r} ({type(k).__name__}).",
+            code="bad_pass_number", remedy="Pass numbers are 1-based: the first backward pass is 1.")
+
+
 def why_none_saved(state: Any, node: int | None, untracked: str | None = None) -> str:
     """Why no gradient was kept for what ``node`` carries (None: no node carries it;
     ``untracked``: the reason, when that is known)."""
@@ -59,6 +67,7 @@ def why_none_saved(state: Any, node: int | None, untracked: str | None = None) -
 
 def grad_for_pass(grads: Sequence[GradRecord], pass_: int, what: str) -> torch.Tensor:
     """The gradient saved in pass ``pass_`` (1-based)."""
+    check_pass_number(pass_, f"{what}: grad_for(pass_=...)")
     chosen = [g for g in grads if g.pass_number == pass_]
     if len(chosen) == 1:
         return chosen[0].tensor

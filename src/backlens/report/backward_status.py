@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from backlens import _args
 from backlens._pandas import data_frame
 from backlens.cost.journal import CostJournal
 from backlens.errors import LabelNotFoundError
@@ -172,6 +173,7 @@ class BackwardStatus:
 
 def backward_status(cap: Any) -> BackwardStatus:
     """The FLOP count and attribution of every backward pass over ``cap``."""
+    _args.capture(cap, "bl.report.backward_status(cap)")
     journal: CostJournal = cap._state.cost or CostJournal()
     passes = list(cap.passes)
     calls_by_pass: dict[int, list[Any]] = {}

@@ -29,10 +29,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from backlens import _args
 from backlens._pandas import data_frame
 from backlens.cost.journal import CostJournal
 from backlens.errors import AmbiguousLabelError, LabelNotFoundError
 from backlens.graph.labels import split_call
+from backlens.records.grads import check_pass_number
 from backlens.report.backward_status import backward_status
 from backlens.report.display import flops_text, seconds_text
 
@@ -147,6 +149,9 @@ class CostTree:
 
 def cost_tree(cap: Any, pass_: int | None = None) -> CostTree:
     """Build the cost tree of ``cap`` over every counted pass, or pass ``pass_`` only."""
+    _args.capture(cap, "bl.report.cost_tree(cap)")
+    if pass_ is not None:
+        check_pass_number(pass_, "bl.report.cost_tree(pass_=...)")
     journal: CostJournal = cap._state.cost or CostJournal()
     status = backward_status(cap)
     counted = [p.number for p in status.passes if p.counted]

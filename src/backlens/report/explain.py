@@ -19,6 +19,7 @@ from backlens.errors import (
     NonFiniteGradError,
     OnceOnlyNodeError,
     SavedTensorModifiedError,
+    UnsupportedInputError,
 )
 
 ORIGINAL_PREFIX = "Original error from torch.autograd: "
@@ -89,6 +90,10 @@ class FailureContext:
 
 def explain(exc: BaseException, context: FailureContext | None = None) -> Explanation:
     """Explain ``exc``; with a capture's ``context`` the explanation names ops and modules."""
+    if not isinstance(exc, BaseException):
+        raise UnsupportedInputError(f"bl.explain takes an exception, got {type(exc).__name__}.",
+                                    code="bad_argument",
+                                    remedy="Pass the caught error: except RuntimeError as err: bl.explain(err).")
     explanation = getattr(exc, "explanation", None)
     if isinstance(explanation, Explanation):
         return explanation
@@ -114,7 +119,7 @@ def _where(record: Any) -> str:
 
 
 def _freed_graph(text: str, context: FailureContext) -> Explanation:
-    freeing = [p for p in context.earlier_passes if p.retain_graph is False and p.status == "ok"]
+    freeing = [p for p in context.earlier_passes if p.retain_graph is False and p.status in ("ok", "recording_failed")]
     if freeing:
         culprit = freeing[-1]
         site = f" at {culprit.call_site}" if culprit.call_site is not None else ""

@@ -34,6 +34,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from backlens import _args
 from backlens._pandas import data_frame
 
 ROOT_NAME = "(model)"
@@ -127,6 +128,7 @@ class Timeline:
 
     def save(self, path: str) -> str:
         """Write the Trace Event format JSON to ``path``; returns ``path``."""
+        _args.path(path, "path", "Timeline.save", "timeline.save('backward.json')")
         with open(path, "w", encoding="utf-8") as handle:
             json.dump(self.to_trace(), handle)
         return path
@@ -151,6 +153,7 @@ class Timeline:
 
 def timeline(cap: Any, pass_: int | None = None) -> Timeline:
     """The backward of ``cap`` (every pass, or pass ``pass_`` alone) as a :class:`Timeline`."""
+    _args.capture(cap, "bl.report.timeline(cap)", needs=("passes",))
     passes = list(cap.passes) if pass_ is None else [cap.passes.for_pass(pass_)]
     chain_of = _module_chains(cap)
     slices: list[Slice] = []
