@@ -272,6 +272,16 @@ def test_a_closed_capture_cannot_replay():
         cap.do("relu_1", bl.scale(2.0), differentiable=True)
 
 
+@pytest.mark.parametrize("differentiable", [False, True])
+def test_a_fork_cannot_rerun_or_replay_and_says_where_to_call_do(differentiable):
+    _model, _x, cap = mlp_capture()
+    fork = cap.do("relu_1", bl.scale(2.0), differentiable=True)
+    with pytest.raises(bl.CaptureClosedError) as caught:
+        fork.do("linear_2", bl.scale(0.5), differentiable=differentiable)
+    assert caught.value.code == "fork_cannot_rerun"
+    assert cap.frontier is None
+
+
 def test_an_unknown_site_names_close_labels():
     _model, _x, cap = mlp_capture()
     with pytest.raises(bl.LabelNotFoundError) as caught:

@@ -19,7 +19,7 @@ import torch
 from backlens import _args, _torch
 from backlens._distributed import rank_and_world_size
 from backlens._fence import complete
-from backlens._nested import iter_named_tensors, iter_tensors
+from backlens._nested import iter_tensors
 from backlens.capture.backward import BackwardRecorder
 from backlens.capture.collectives import CollectiveRecorder
 from backlens.capture.compiled import NOT_COUNTED, is_opaque, original_module, run_opaque
@@ -30,6 +30,7 @@ from backlens.capture.policy import GradPolicy
 from backlens.capture.replay_record import ReplayRecording
 from backlens.capture.state import CaptureState, InputEntry, ParamEntry
 from backlens.capture.unmatched import UnmatchedSelectorWarner, warn_if_no_activation_kept
+from backlens.capture.walk import named_inputs, walk_model
 from backlens.cost.checkpoint_witness import COMPILED_OPAQUE, CheckpointWitness
 from backlens.cost.forward_count import FlopForwardRecorder
 from backlens.cost.journal import CostJournal
@@ -38,7 +39,7 @@ from backlens.derive.bundle import is_derived
 from backlens.derive.bundle import load as load_derived
 from backlens.derive.frameworks import refuse_other_framework
 from backlens.distributed.rankset import RankSet, rank_bundle_dirs
-from backlens.edits import as_interventions, when
+from backlens.edits import BoundModel, as_interventions, when
 from backlens.errors import (
     BackwardUnavailableError,
     CaptureClosedError,
@@ -50,6 +51,7 @@ from backlens.io.bundle import BundleInfo, read_bundle, save_state
 from backlens.io.disk_store import make_store
 from backlens.io.replace import recover
 from backlens.records.capture import CaptureRecords
+from backlens.replaying import replay_fork
 from backlens.report.failures import PassFailures
 
 # The options of bl.capture: a keyword close to one of these is a typo, not the model's.
@@ -114,10 +116,10 @@ def capture(
     if recorder.activations.keeps_any:  # differentiable replay starts from kept activations
         state.replay = ReplayRecording()
         recorder.record_replay(state.replay)
-    addresses, module_types, params, buffers = _walk_model(model)
+    addresses, module_types, params, buffers = walk_model(model)
     recorder.register_sources("param", params.items())
     recorder.register_sources("buffer", buffers.items())
-    inputs = _named_inputs(args, kwargs)
+    inputs = named_inputs(args, kwargs)
     input_sources = recorder.register_sources("input", inputs)
     grad_enabled = torch.is_grad_enabled()
     inference_mode = torch.is_inference_mode_enabled()
@@ -193,6 +195,9 @@ def capture(
                    rerun=(args, kwargs, options, intervene))
 
 
+BoundModel.capture = staticmethod(capture)
+
+
 def load(path: str | os.PathLike, *, verify: bool = True) -> LoadedCapture | RankSet:
     """Read the bundle at ``path`` as a read-only capture (API.md §6, docs/bundles.md).
 
@@ -211,55 +216,6 @@ def load(path: str | os.PathLike, *, verify: bool = True) -> LoadedCapture | Ran
         return RankSet.load(path, lambda directory: LoadedCapture(*read_bundle(directory, verify=verify)))
     state, info = read_bundle(path, verify=verify)
     return LoadedCapture(state, info)
-
-
-def _walk_model(model: torch.nn.Module) -> tuple[dict[int, str], dict[str, str], dict, dict]:
-    """Module addresses (by module id) and types, parameters and buffers by name, in one walk.
-
-    The order and names are those of ``named_modules`` / ``named_parameters``
-    (pre-order, a shared module or tensor under its first name); an explicit
-    stack because the generator chain costs more than the rest of the setup.
-    """
-    addresses: dict[int, str] = {}
-    types: dict[str, str] = {}
-    params: dict[str, torch.nn.Parameter] = {}
-    buffers: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    pending = [("", model)]
-    while pending:
-        address, module = pending.pop()
-        if id(module) in addresses:
-            continue
-        addresses[id(module)] = address
-        types[address] = type(module).__name__
-        prefix = f"{address}." if address else ""
-        for name, param in module._parameters.items():
-            if param is not None and id(param) not in seen:
-                seen.add(id(param))
-                params[prefix + name] = param
-        for name, buffer in module._buffers.items():
-            if buffer is not None and id(buffer) not in seen:
-                seen.add(id(buffer))
-                buffers[prefix + name] = buffer
-        children = module._modules
-        if children:
-            pending.extend((prefix + name, child) for name, child in reversed(children.items()) if child is not None)
-    return addresses, types, params, buffers
-
-
-def _named_inputs(args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
-    named = []
-    for position, arg in enumerate(args):
-        named.extend(iter_named_tensors(arg, f"args[{position}]"))
-    for key, value in kwargs.items():
-        named.extend(iter_named_tensors(value, key))
-    seen: set[int] = set()
-    unique = []
-    for name, tensor in named:
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            unique.append((name, tensor))
-    return unique
 
 
 def _inference_cause(grad_mode: tuple[bool, bool], params: dict, inputs: list) -> str:
@@ -283,11 +239,15 @@ class Capture(CaptureRecords):
     """
 
     def __init__(self, state: CaptureState, *, output: Any = None, model: torch.nn.Module | None = None,
-                 rerun: tuple | None = None):
+                 rerun: tuple | None = None, frontier: dict[str, torch.Tensor] | None = None):
         self._state = state
         self.output = output  # what the model returned (set it to None to let go of the graph)
         self._model = model
         self._rerun = rerun
+        # A fork made by differentiable replay (no model ran): its ops are the replayed ones, under
+        # the source's labels and module calls, and its inputs are these fresh leaves, by the
+        # frontier op's label or the input's name. None on a capture of a model run.
+        self.frontier = frontier
 
     @property
     def inference_only(self) -> bool:
@@ -391,6 +351,12 @@ class Capture(CaptureRecords):
         activations with ``edit`` applied, and returns a fork whose output
         carries a fresh graph (docs/edits.md).
         """
+        if self.frontier is not None:
+            raise CaptureClosedError(
+                "A fork made by differentiable replay has no model to rerun and no recorded calls to replay.",
+                code="fork_cannot_rerun",
+                remedy="Call do() on the capture the fork came from.",
+            )
         if self._rerun is None or self._model is None:
             raise CaptureClosedError("This capture cannot rerun its forward (closed or loaded from disk).")
         armed_here = when(site, edit)
@@ -405,9 +371,8 @@ class Capture(CaptureRecords):
                     code="replay_takes_no_inputs",
                     remedy="Drop inputs=, or rerun with them: cap.do(site, edit, inputs=...).",
                 )
-            from backlens.replaying import replay_fork  # the fork is a layer above the capture
-
-            new = replay_fork(self, site, edit, options, intervene)
+            state, output, frontier = replay_fork(self._state, self._model, self._rerun, self.output, site, edit)
+            new = Capture(state, output=output, frontier=frontier)
         else:
             if inputs is not None:
                 args = inputs if isinstance(inputs, tuple) else (inputs,)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -261,11 +261,13 @@ class BoundModel:
         self._gradient = any(part.gradient for i in interventions for part in i.site.parts())
         self._latest: Any = None
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from backlens.capturing import capture  # edits sit below the capture that arms them
+    # ``bl.capture``, which runs the model with the edits armed. The capture sits a layer above the
+    # edits it arms, so it hands itself down when backlens.capturing loads (with the package).
+    capture: ClassVar[Callable[..., Any]]
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._latest = None
-        cap = capture(self.model, *args, intervene=self.interventions, backward=self._gradient,
+        cap = BoundModel.capture(self.model, *args, intervene=self.interventions, backward=self._gradient,
                       flops=False, timing=False, **kwargs)
         if self._gradient:
             self._latest = cap  # its hooks apply the gradient edits in the backward

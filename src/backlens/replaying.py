@@ -17,34 +17,26 @@ from backlens._nested import iter_tensors
 from backlens.capture.backward import BackwardRecorder
 from backlens.capture.policy import GradPolicy
 from backlens.capture.replay import Replay, find_sites
+from backlens.capture.state import CaptureState
 from backlens.capture.unmatched import UnmatchedSelectorWarner
-from backlens.capturing import Capture, _named_inputs, _walk_model
+from backlens.capture.walk import named_inputs, walk_model
 from backlens.cost.checkpoints import CheckpointJournal
 from backlens.cost.journal import CostJournal
 from backlens.cost.observer import FlopObserver
 from backlens.edits import as_interventions, when
-from backlens.errors import CaptureClosedError, ReplayError
+from backlens.errors import ReplayError
 from backlens.report.failures import PassFailures
 
 
-class Fork(Capture):
-    """A capture made by differentiable replay (no model ran): its ops are the replayed ones, under
-    the source's labels and module calls, and its inputs are the frontier leaves."""
+def replay_fork(source: CaptureState, model: torch.nn.Module, rerun: tuple, output: Any, site: Any,
+                edit: Any) -> tuple[CaptureState, Any, dict[str, torch.Tensor]]:
+    """Replay the ops of the capture over ``source`` downstream of ``site`` with ``edit`` applied;
+    returns the fork's state, its output and its frontier leaves (see the module docstring).
 
-    def __init__(self, state: Any, *, output: Any, frontier: dict[str, torch.Tensor]):
-        super().__init__(state, output=output)
-        self.frontier = frontier  # fresh leaves by name: the frontier op's label, or the input's name
-
-    def do(self, *args: Any, **kwargs: Any) -> Capture:
-        raise CaptureClosedError(
-            "A fork made by differentiable replay has no model to rerun and no recorded calls to replay.",
-            code="fork_cannot_rerun",
-            remedy="Call do() on the capture the fork came from.",
-        )
-
-
-def replay_fork(cap: Capture, site: Any, edit: Any, options: dict[str, Any], intervene: Any) -> Fork:
-    """Replay ``cap``'s ops downstream of ``site`` with ``edit`` applied (see the module docstring)."""
+    ``model`` and ``rerun`` (args, kwargs, options, intervene) are those the source ran with;
+    ``output`` is what its model returned.
+    """
+    args, kwargs, options, intervene = rerun
     if as_interventions(intervene):
         raise ReplayError(
             "This capture was made with edits armed (intervene=...); its recorded activations are the "
@@ -53,11 +45,8 @@ def replay_fork(cap: Capture, site: Any, edit: Any, options: dict[str, Any], int
             remedy="Capture without intervene= and replay with all the edits at once "
             "(cap.do(site_a, edit_a | ...)), or rerun: cap.do(site, edit) without differentiable=True.",
         )
-    source = cap._state
-    model = cap._model
-    args, kwargs, _options, _intervene = cap._rerun
-    _addresses, _types, params, buffers = _walk_model(model)
-    inputs = dict(_named_inputs(args, kwargs))
+    _addresses, _types, params, buffers = walk_model(model)
+    inputs = dict(named_inputs(args, kwargs))
     by_kind = {"param": params, "buffer": buffers, "input": inputs}
 
     def tensor_of_source(kind: str, name: str) -> torch.Tensor | None:
@@ -65,7 +54,7 @@ def replay_fork(cap: Capture, site: Any, edit: Any, options: dict[str, Any], int
 
     interventions = as_interventions(when(site, edit))
     replay = Replay(source, find_sites(source, interventions), tensor_of_source)
-    output = replay.run(cap.output)
+    output = replay.run(output)
     state = replay.fork
     outputs = list(iter_tensors(output))
     state.inference_only = not any(t.requires_grad for t in outputs)
@@ -91,7 +80,7 @@ def replay_fork(cap: Capture, site: Any, edit: Any, options: dict[str, Any], int
         state.recorder.arm()
     else:
         state.recorder.hooking = False
-    return Fork(state, output=output, frontier=frontier)
+    return state, output, frontier
 
 
 def _forward_flops(source: Any, replayed: list[int]) -> dict[str, Any] | None:

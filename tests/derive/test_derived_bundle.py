@@ -15,6 +15,7 @@ from torch_ports import mlp_input, mlp_weights
 
 import backlens as bl
 from backlens.derive import bundle as derived_bundle
+from backlens.derive import saving as derived_saving
 
 
 def mlp(p, x):
@@ -111,7 +112,7 @@ def test_a_failed_save_leaves_the_old_bundle_in_place(tmp_path, jax_grads, monke
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(derived_bundle, "put_in_place", disk_full)
+    monkeypatch.setattr(derived_saving, "put_in_place", disk_full)
     with pytest.raises(bl.BundleError) as info:
         jax_grads.save(path, overwrite=True)
     assert info.value.code == "bundle_write_failed"
@@ -122,7 +123,7 @@ def test_a_failed_save_leaves_the_old_bundle_in_place(tmp_path, jax_grads, monke
 def _rewrite_manifest(path, change):
     manifest = json.loads((path / "manifest.json").read_text())
     change(manifest)
-    manifest["checksum"] = derived_bundle._checksum(manifest)
+    manifest["checksum"] = derived_saving.checksum(manifest)
     (path / "manifest.json").write_text(json.dumps(manifest))
 
 

@@ -4,30 +4,18 @@ tensor norms before and after."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from backlens._nested import replace_first_tensor
 from backlens.capture.forward import OpEntry
+from backlens.capture.state import EditApplication
 from backlens.capture.views import OpView
 from backlens.edits import EditContext, Intervention, apply_checked
 from backlens.errors import BackwardUnavailableError
 from backlens.graph.labels import label_not_found, split_call
-
-
-@dataclass(frozen=True)
-class EditApplication:
-    """One application of an edit (on a pass's ``edits`` or the capture's ``forward_edits``)."""
-
-    site: str
-    edit: str
-    op: str | None
-    module: str | None
-    pass_number: int | None
-    norm_before: float
-    norm_after: float
 
 
 def _names_call(site: str, call: Any) -> bool:

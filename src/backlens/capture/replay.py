@@ -28,9 +28,8 @@ import torch
 from backlens import _torch
 from backlens._nested import iter_tensors
 from backlens.capture.forward import ModuleCallEntry, OpEntry
-from backlens.capture.interventions import EditApplication
 from backlens.capture.replay_record import TensorRef, Untracked
-from backlens.capture.state import CaptureState, InputEntry, ParamEntry
+from backlens.capture.state import CaptureState, EditApplication, InputEntry, ParamEntry
 from backlens.capture.views import OpView
 from backlens.edits import EditContext, Intervention, KeepGrad, apply_checked
 from backlens.errors import BacklensWarning, ReplayError

@@ -35,6 +35,19 @@ from backlens.capture.store import MemoryStore, TensorStore
 from backlens.graph.table import NodeEntry, NodeTable
 
 
+@dataclass(frozen=True)
+class EditApplication:
+    """One application of an edit (on a pass's ``edits`` or the capture's ``forward_edits``)."""
+
+    site: str
+    edit: str
+    op: str | None
+    module: str | None
+    pass_number: int | None
+    norm_before: float
+    norm_after: float
+
+
 @dataclass(eq=False, slots=True)
 class ParamEntry:
     """One named parameter; ``param`` (live) is a weak reference to it, ``saved_grad``

@@ -1,25 +1,4 @@
-"""A derived-gradients bundle: its own small schema, written and read here.
-
-Layout of the directory::
-
-    manifest.json          the fields below, then "checksum"
-    tensors.safetensors    every array, by the names the manifest gives
-
-Manifest (``kind`` ``"derived"``, ``format_version`` 1)::
-
-    format            "backlens.derived"
-    kind              "derived"
-    format_version    1
-    backlens_version  str
-    created           ISO time, UTC
-    framework         str              framework_version  str
-    output            {tensor, dtype, shape}
-    leaf_grads        [{name, tensor, dtype, shape}]     in the record's order
-    intermediates     null | {records: [{label, op, output_index, status,
-                      tensor, dtype, shape}], withheld: {reason: count}, notes: [str]}
-    notes             [str]
-    file              {name: "tensors.safetensors", bytes, sha256}
-    checksum          sha256 of the canonical JSON of every field above
+"""Reading a derived-gradients bundle (its layout: derive/saving.py).
 
 Reading trusts nothing in the directory and shares capture bundles' file
 access (io/files.py: nothing outside the directory opened, no link followed,
@@ -28,14 +7,12 @@ sizes and JSON depth bounded): every field is checked against this schema
 bytes are hashed before they are parsed, from the same bytes in memory; every
 array's name, dtype and shape must be the manifest's. Nothing the manifest
 names is imported or instantiated. Any problem is a :class:`BundleError`
-naming the file. Writing is crash-safe as for capture bundles (io/replace.py).
+naming the file.
 """
 
 from __future__ import annotations
 
-import datetime
 import hashlib
-import json
 import os
 import re
 from pathlib import Path
@@ -46,102 +23,13 @@ import safetensors.numpy
 
 from backlens._version import __version__
 from backlens.derive.record import EXACT, DerivedGrads, IntermediateGrad, IntermediateGrads
+from backlens.derive.saving import DTYPES, FORMAT, FORMAT_VERSION, KIND, MANIFEST, TENSORS, checksum
 from backlens.errors import BundleError
-from backlens.io.disk_store import check_target
 from backlens.io.files import BundleDir, parse_json, read_exact
-from backlens.io.replace import Staging, clean_leftovers, put_in_place, recover, remove_old
 
-FORMAT = "backlens.derived"
-KIND = "derived"
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-TENSORS = "tensors.safetensors"
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 _PARSE_WHOLE_BELOW = 1024 * 1024
 _OPENING = re.compile(rb'\A\s*\{\s*"format"\s*:\s*"backlens\.derived"\s*,\s*"kind"\s*:\s*"derived"')
-DTYPES = ("bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64",
-          "float16", "float32", "float64")
-
-# -- writing -------------------------------------------------------------------------
-
-
-def save(grads: DerivedGrads, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
-    """Write ``grads`` as a bundle at ``path`` (all or nothing); returns the path."""
-    target = Path(path)
-    check_target(target, overwrite)
-    arrays: dict[str, np.ndarray] = {}
-
-    def entry(key: str, array: np.ndarray) -> dict[str, Any]:
-        array = np.require(array, requirements='C')  # (ascontiguousarray would make a 0-d array 1-d)
-        if array.dtype.name not in DTYPES:
-            raise BundleError(f"{target}: cannot store an array of dtype {array.dtype} ({key}).",
-                              code="bundle_unsupported_dtype", remedy="Cast the gradients to float32.")
-        arrays[key] = array
-        return {"tensor": key, "dtype": array.dtype.name, "shape": list(array.shape)}
-
-    body: dict[str, Any] = {
-        "format": FORMAT,
-        "kind": KIND,
-        "format_version": FORMAT_VERSION,
-        "backlens_version": __version__,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "framework": grads.framework,
-        "framework_version": grads.version,
-        "output": entry("output", grads.output),
-        "leaf_grads": [{"name": name, **entry(f"leaf.{i}", g)}
-                       for i, (name, g) in enumerate(grads.leaf_grads.items())],
-        "intermediates": None,
-        "notes": list(grads.notes),
-    }
-    if grads.intermediates is not None:
-        body["intermediates"] = {
-            "records": [{"label": r.label, "op": r.op, "output_index": r.output_index, "status": r.status,
-                         **entry(f"intermediate.{i}", r.grad)}
-                        for i, r in enumerate(grads.intermediates)],
-            "withheld": dict(grads.intermediates.withheld),
-            "notes": list(grads.intermediates.notes),
-        }
-    payload = safetensors.numpy.save(arrays)
-    body["file"] = {"name": TENSORS, "bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
-    body["checksum"] = _checksum(body)
-
-    recover(target)
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        clean_leftovers(target)
-        staging = Staging(target)
-    except OSError as exc:
-        raise BundleError(f"{target}: cannot write here ({exc.strerror or exc}).",
-                          code="bundle_write_failed", remedy="Choose a writable location.") from exc
-    try:
-        _write_file(staging.path / TENSORS, payload)
-        _write_file(staging.path / MANIFEST, json.dumps(body, indent=1).encode("utf-8"))
-        replaced = put_in_place(staging, target, overwrite)
-    except BaseException as exc:
-        staging.discard()
-        if isinstance(exc, OSError):
-            raise BundleError(f"{target}: writing the bundle failed ({exc.strerror or exc}).",
-                              code="bundle_write_failed",
-                              remedy="Choose a writable location with enough free space.") from exc
-        raise
-    remove_old(replaced, target)
-    return target
-
-
-def _checksum(body: dict[str, Any]) -> str:
-    canonical = json.dumps({k: v for k, v in body.items() if k != "checksum"}, sort_keys=True,
-                           separators=(",", ":"), ensure_ascii=True)
-    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
-
-
-def _write_file(path: Path, data: bytes) -> None:
-    with open(path, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
-# -- reading -------------------------------------------------------------------------
 
 
 def is_derived(root: str | os.PathLike) -> bool:
@@ -149,7 +37,7 @@ def is_derived(root: str | os.PathLike) -> bool:
     ``"kind": "derived"``). A cheap test that never raises; a full, checked read is :func:`load`'s job.
 
     A small manifest is parsed; a large one is recognised by its opening, which
-    this module's writer always makes ``{"format": "backlens.derived", "kind": "derived"``.
+    derive/saving.py always writes ``{"format": "backlens.derived", "kind": "derived"``.
     """
     try:
         directory = BundleDir(root)
@@ -200,7 +88,7 @@ def _read_manifest(directory: BundleDir) -> dict[str, Any]:
             f"{path}: written in derived bundle format version {version} (by backlens "
             f"{manifest['backlens_version']!r}); this backlens ({__version__}) reads up to {FORMAT_VERSION}.",
             code="bundle_too_new", remedy="Upgrade backlens to load this bundle.")
-    if manifest["checksum"] != _checksum(manifest):
+    if manifest["checksum"] != checksum(manifest):
         raise BundleError(f"{path}: checksum mismatch: the manifest was changed or corrupted.",
                           code="bundle_corrupt", remedy="The bundle is damaged; save it again.")
     for name in ("backlens_version", "created", "framework", "framework_version"):

@@ -16,7 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from backlens import _args
 from backlens._pandas import data_frame
+from backlens.derive import saving
 from backlens.errors import LabelNotFoundError
 
 # The one status an exposed intermediate record has: its gradient was computed
@@ -159,13 +161,10 @@ class DerivedGrads:
 
     def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """Write a bundle at ``path`` that ``bl.load(path)`` reads back as an equal record."""
-        from backlens import _args
-        from backlens.derive.bundle import save
-
         _args.path(path, "path", "DerivedGrads.save", "grads.save('runs/derived')")
         _args.flag(overwrite, "overwrite", "DerivedGrads.save")
 
-        return save(self, path, overwrite=overwrite)
+        return saving.save(self, path, overwrite=overwrite)
 
     def __repr__(self) -> str:
         inter = "" if self.intermediates is None else f", intermediates={len(self.intermediates)}"

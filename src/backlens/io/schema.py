@@ -22,13 +22,13 @@ from typing import Any
 import torch
 
 from backlens.capture.forward import ModuleCallEntry, OpEntry
-from backlens.capture.interventions import EditApplication
 from backlens.capture.policy import GradPolicy
 from backlens.capture.slots import GradSlots
 from backlens.capture.state import (
     CallEntry,
     CaptureState,
     CollectiveEntry,
+    EditApplication,
     InputEntry,
     ParamEntry,
     PassEntry,

@@ -27,9 +27,9 @@ from backlens.live.batching import Batcher, ConcatBatcher
 from backlens.live.context import current_block
 from backlens.live.mediator import Event
 from backlens.live.naming import INPUT, OUTPUT, site_name
+from backlens.live.tracer import Tracer
 
 _OWN = ("output", "input", "inputs")
-_Tracer: Any = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,10 +62,7 @@ class Lens:
         one forward call. ``keep_graph=True`` retains the autograd graph for
         every backward in the trace and frees it when the trace exits.
         """
-        global _Tracer
-        if _Tracer is None:  # imported late: the tracer module imports this one
-            from backlens.live.tracer import Tracer as _Tracer
-        tracer = _Tracer(self, args, kwargs, keep_graph=keep_graph)
+        tracer = Tracer(self, args, kwargs, keep_graph=keep_graph)
         error: TraceError | None = None
         if self._lens_address:
             error = TraceError(
