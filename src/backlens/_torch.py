@@ -38,6 +38,7 @@ _execution_engine = getattr(getattr(torch.autograd, "Variable", None), "_executi
 _queue_callback = _lookup(_execution_engine, "queue_callback")
 _engine_in_graph = getattr(torch.autograd.graph, "_engine_run_backward", None)
 _engine_in_autograd = getattr(torch.autograd, "_engine_run_backward", None)
+_will_engine_execute_node = _lookup(torch._C, "_will_engine_execute_node")
 
 HAS_SEQUENCE_NR = _get_sequence_nr is not None
 HAS_CURRENT_AUTOGRAD_NODE = _current_autograd_node is not None
@@ -46,6 +47,7 @@ HAS_GRAPH_TASK_KEEP_GRAPH = _keep_graph is not None
 HAS_ENGINE_QUEUE_CALLBACK = _queue_callback is not None
 HAS_ENGINE_RUN_BACKWARD = _engine_in_graph is not None and _engine_in_autograd is not None
 HAS_NODE_PREHOOK = hasattr(torch.autograd.graph.Node, "register_prehook")
+HAS_ENGINE_NODE_QUERY = _will_engine_execute_node is not None and _current_graph_task_id is not None
 
 CAPABILITIES: tuple[Capability, ...] = (
     Capability(
@@ -90,6 +92,12 @@ CAPABILITIES: tuple[Capability, ...] = (
         "timing node fires and editing gradients before a node runs",
         "fire timing and gradient edits are unavailable",
     ),
+    Capability(
+        "HAS_ENGINE_NODE_QUERY",
+        HAS_ENGINE_NODE_QUERY,
+        "checking a live .grad request against the running backward without walking its graph",
+        "each live backward block walks the autograd graph to check its requests",
+    ),
 )
 
 
@@ -120,6 +128,18 @@ def graph_task_id_function() -> Callable[[], int]:
     """The raw reader of the id of the engine run executing on this thread, for hot
     paths (-1 outside the engine, and always when unavailable)."""
     return _current_graph_task_id if _current_graph_task_id is not None else (lambda: -1)
+
+
+def engine_will_run(node: Any) -> bool | None:
+    """Whether the engine run executing on this thread runs ``node`` (None when it cannot tell:
+    no run on this thread, or a torch without the query). Answered from the run's own node set,
+    so no graph walk; with ``inputs=`` it is the nodes on the way to those inputs."""
+    if _will_engine_execute_node is None:
+        return None
+    try:
+        return bool(_will_engine_execute_node(node))
+    except (RuntimeError, TypeError):
+        return None
 
 
 def current_keep_graph() -> bool | None:

@@ -74,6 +74,48 @@ def test_a_tensor_the_loss_does_not_depend_on_raises_at_once(mlp, lens, x):
     assert_clean(mlp)
 
 
+def test_an_unreachable_first_request_stops_the_backward_before_any_gradient_is_computed(mlp, lens, x):
+    mlp.zero_grad(set_to_none=True)
+    with pytest.raises(NoGradientPathError):
+        with lens.trace(x):
+            side = lens.fc1.output * 3
+            with lens.fc2.output.sum().backward():
+                side.grad  # noqa: B018  (a request, for its effect)
+    assert all(p.grad is None for p in mlp.parameters())
+    assert_clean(mlp)
+
+
+def test_an_unreachable_request_while_gradients_flow_raises_at_once(mlp, lens, x):
+    with pytest.raises(NoGradientPathError) as info:
+        with lens.trace(x):
+            h = lens.fc1.output
+            side = h * 3
+            c = lens.fc3.output
+            with lens.output.sum().backward():
+                c.grad.save()
+                side.grad  # noqa: B018  (a request, for its effect)
+    assert info.value.code == "no_gradient_path"
+    assert "`side`" in str(info.value)
+    assert_clean(mlp)
+
+
+def test_a_body_that_catches_an_unreachable_request_goes_on_reading_gradients(mlp, lens, x):
+    ref = reference(mlp, x, ["fc1"])
+    seen = {}
+    with lens.trace(x):
+        side = lens.fc1.output * 3
+        a = lens.fc1.output
+        with lens.output.sum().backward():
+            try:
+                side.grad  # noqa: B018  (a request, for its effect)
+            except NoGradientPathError as error:
+                seen["code"] = error.code
+            ga = a.grad.save()
+    assert seen == {"code": "no_gradient_path"}
+    assert torch.equal(ga, ref["fc1"][1])
+    assert_clean(mlp)
+
+
 def test_a_tensor_that_needs_no_grad_is_named_in_the_error(mlp, lens, x):
     with pytest.raises(NoGradientPathError) as info:
         with lens.trace(x):

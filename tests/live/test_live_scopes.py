@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 import torch
-from live_helpers import assert_clean
+from live_helpers import assert_clean, reference
 
 import backlens.live as bl
 from backlens.errors import BacklensWarning, TraceError
@@ -245,3 +245,56 @@ def test_a_backward_block_is_recognised_from_the_source_however_it_is_written(le
             twice = (lens.output.sum() * 2).backward(retain_graph=True)  # not a with: runs at once
             ran = bl.save(twice is None)
     assert g.shape == (5, 8) and ran is True
+
+
+def test_a_body_that_begins_with_try_runs_in_place(mlp, lens, x):
+    ref = reference(mlp, x, ["fc1"])
+    seen = {}
+    with lens.trace(x):
+        try:
+            h = lens.fc1.output.save()
+        except KeyError:
+            h = None
+        with lens.output.sum().backward():
+            try:
+                g = h.grad.save()
+                seen["missing"]
+            except KeyError:
+                seen["caught"] = True
+    assert torch.equal(h, ref["fc1"][0]) and torch.equal(g, ref["fc1"][1])
+    assert seen == {"caught": True}
+    assert_clean(mlp)
+
+
+def test_a_body_that_begins_with_while_true_runs_in_place(lens, x):
+    with lens.trace(x):
+        while True:
+            kept = lens.fc1.output.save()
+            break
+    assert kept.shape == (5, 8)
+
+
+def test_a_body_that_begins_with_try_finally_is_refused_before_the_model_runs(mlp, lens, x):
+    with pytest.raises(TraceError) as info:
+        with lens.trace(x):
+            try:
+                lens.output.save()
+            finally:
+                ran_finally = True  # noqa: F841
+    assert info.value.code == "unsupported_statement"
+    assert "begins with a `try` whose `finally:`" in str(info.value) and __file__ in str(info.value)
+    assert_clean(mlp)
+
+
+def test_a_backward_body_that_begins_with_a_catch_all_try_is_refused(mlp, lens, x):
+    with pytest.raises(TraceError) as info:
+        with lens.trace(x):
+            h = lens.fc1.output
+            with lens.output.sum().backward():
+                try:
+                    h.grad.save()
+                except BaseException:
+                    raise
+    assert info.value.code == "unsupported_statement"
+    assert "`except BaseException:`" in str(info.value)
+    assert_clean(mlp)

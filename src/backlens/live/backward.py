@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from backlens import _torch
 from backlens.errors import (
     BacklensError,
     BacklensWarning,
@@ -45,7 +46,7 @@ from backlens.live import rows as rows_mod
 from backlens.live.compiler import CompiledBody, compile_body
 from backlens.live.context import Block, current_block, saved_names
 from backlens.live.freed import BackwardCall, freed_graph_error, is_freed_graph, recording_own
-from backlens.live.gradpath import GraphIndex
+from backlens.live.gradpath import GraphIndex, reaches
 from backlens.live.mediator import Event, Mediator, StopRun, getcurrent
 from backlens.live.naming import Label, Site, describe
 from backlens.live.source import BlockSource, with_item_at
@@ -130,6 +131,7 @@ def _find_stock() -> Any:
 
 
 _stock_backward = _find_stock()
+_graph_task_id = _torch.graph_task_id_function()
 
 
 @functools.wraps(_stock_backward)
@@ -280,6 +282,8 @@ class BackwardRun:
         self.mediator: Mediator | None = None
         self.driver: Any = None
         self._graph: GraphIndex | None = None
+        self._engine_task: int | None = None  # the id of this block's engine run, once it started
+        self._unchecked: list[_Target] = []  # requested before the engine started: checked as it does
         self._expect: dict[int, _Target] = {}
         self._served: dict[int, Event] = {}
         self._last: _Target | None = None
@@ -306,8 +310,11 @@ class BackwardRun:
                 invoke = self.invoke.index if self.invoke is not None else None
                 single = self.tracer._single if self.tracer is not None else False
                 call = BackwardCall(invoke, kept, self.source.filename, self.source.with_line, single=single)
+                if self._unchecked:
+                    self._handles.append(self.tensor.register_hook(self._check_in_engine))
                 with single_threaded_engine():
                     _run_engine(self.tracer, call, self.tensor, self.gradient, retain, self.create_graph, self.inputs)
+                self._engine_task = None
                 self._finish()
         except StopRun:
             pass
@@ -321,6 +328,8 @@ class BackwardRun:
             mediator.release()
             self.mediator = None
             self._graph = None
+            self._engine_task = None
+            self._unchecked.clear()
             self._expect.clear()
             self._served.clear()
             self._last = None
@@ -423,6 +432,21 @@ class BackwardRun:
                 f"{target.label.grad} was requested, but {target.label} does not require grad, so no "
                 f"gradient flows into it from {self.loss}."
             )
+        node = full.grad_fn
+        if node is not None and self.inputs is None and _torch.HAS_ENGINE_NODE_QUERY \
+                and self.tensor.grad_fn is not None:
+            # Asked of the engine run, which knows its nodes: walking a fresh graph costs more
+            # than the rest of a block. Before the run starts, asked as it starts.
+            if node is self.tensor.grad_fn:
+                return node
+            if self._engine_task is None:
+                self._unchecked.append(target)
+                return node
+            runs = _torch.engine_will_run(node) if self._engine_task == _graph_task_id() else None
+            if runs is False:
+                raise self._no_path(target)
+            if runs:
+                return node
         if self._graph is None:
             root = self.tensor.grad_fn
             self._graph = GraphIndex([root] if root is not None else [])
@@ -430,19 +454,36 @@ class BackwardRun:
         if node is None and full is self.tensor:
             return None  # a leaf backpropagated from itself
         if node is None:
-            raise NoGradientPathError(
-                f"{target.label.grad} was requested, but {self.loss} does not depend on {target.label}, "
-                "so no gradient flows into it in this backward."
-            )
+            raise self._no_path(target)
         return node
+
+    def _no_path(self, target: _Target) -> NoGradientPathError:
+        return NoGradientPathError(
+            f"{target.label.grad} was requested, but {self.loss} does not depend on {target.label}, "
+            "so no gradient flows into it in this backward."
+        )
+
+    def _check_in_engine(self, _grad: torch.Tensor) -> None:
+        """The loss's hook, the first thing the engine runs: check what was requested before it."""
+        if getcurrent() is not self.driver or self._engine_task is not None:
+            return
+        self._engine_task = _graph_task_id()
+        mediator = self.mediator
+        unchecked, self._unchecked = self._unchecked, []
+        for target in unchecked:
+            if mediator is None or mediator.done or mediator.pending != id(target.full):
+                continue
+            if _torch.engine_will_run(target.node) is False:
+                mediator.fail(self._no_path(target))
+                if mediator.error is not None:
+                    raise StopRun()
 
     def _check_order(self, target: _Target) -> None:
         last = self._last
         node = target.node
         if last is None or node is None or last.node is None:
             return
-        assert self._graph is not None
-        if node is last.node or self._graph.reaches(node, last.node):
+        if node is last.node or reaches(node, last.node):
             new, old = target.label, last.label
             raise OutOfOrderError(
                 f"{new.grad} was requested after {old.grad}, but gradients arrive in reverse "

@@ -1,9 +1,12 @@
 """Which autograd nodes a backward will run, and in what order they can arrive.
 
-Built once per backward block, on the first gradient a body asks for, by
-walking ``next_functions`` from the tensor being backpropagated. Node
-wrappers are only stable while referenced, so the index holds every node it
-saw for its own lifetime (one backward block).
+A backward block asks the running engine whether it will run a requested
+tensor's node (``_torch.engine_will_run``), which needs no walk. Where the
+engine cannot answer (a leaf's gradient, ``inputs=``, a torch without the
+query), :class:`GraphIndex` walks ``next_functions`` from the tensor being
+backpropagated, built on the first such request. Node wrappers are only
+stable while referenced, so the index holds every node it saw for its own
+lifetime (one backward block).
 """
 
 from __future__ import annotations
@@ -71,28 +74,29 @@ class GraphIndex:
         found = self._leaves.get(id(tensor))
         return found if found is not None else self._expand(None, id(tensor))
 
-    def reaches(self, start: Any, goal: Any) -> bool:
-        """True when ``goal`` lies below ``start`` (so ``start`` runs before ``goal``).
 
-        A node only reaches nodes made before it in the forward, so when
-        ``start`` was made first (a lower sequence number) the answer is no
-        without a walk; AccumulateGrad nodes carry no such number.
-        """
-        if start is goal:
-            return True
-        if not (_torch.is_accumulate_grad(start) or _torch.is_accumulate_grad(goal)):
-            first, second = _torch.node_sequence_nr(start), _torch.node_sequence_nr(goal)
-            if first is not None and second is not None and first < second:
-                return False
-        seen: dict[int, Any] = {id(start): start}
-        stack = [start]
-        while stack:
-            node = stack.pop()
-            for child, _ in node.next_functions:
-                if child is None or id(child) in seen:
-                    continue
-                if child is goal:
-                    return True
-                seen[id(child)] = child
-                stack.append(child)
-        return False
+def reaches(start: Any, goal: Any) -> bool:
+    """True when ``goal`` lies below ``start`` (so ``start`` runs before ``goal``).
+
+    A node only reaches nodes made before it in the forward, so when
+    ``start`` was made first (a lower sequence number) the answer is no
+    without a walk; AccumulateGrad nodes carry no such number.
+    """
+    if start is goal:
+        return True
+    if not (_torch.is_accumulate_grad(start) or _torch.is_accumulate_grad(goal)):
+        first, second = _torch.node_sequence_nr(start), _torch.node_sequence_nr(goal)
+        if first is not None and second is not None and first < second:
+            return False
+    seen: dict[int, Any] = {id(start): start}
+    stack = [start]
+    while stack:
+        node = stack.pop()
+        for child, _ in node.next_functions:
+            if child is None or id(child) in seen:
+                continue
+            if child is goal:
+                return True
+            seen[id(child)] = child
+            stack.append(child)
+    return False

@@ -11,12 +11,16 @@ the caller's frame with :func:`write_locals`.
 from __future__ import annotations
 
 import ctypes
+import dis
 import inspect
 import sys
 import types
 from typing import Any
 
 from backlens.live.torchstate import CallerState
+
+_EVENTS = ("line", "opcode")
+_NOP = dis.opmap["NOP"]
 
 
 class SkipBody(BaseException):
@@ -36,7 +40,7 @@ class Skipper:
     of no-op statements only (``pass``) needs no skipping: it may run as it is.
     """
 
-    __slots__ = ("frame", "first_line", "fired", "state", "_active", "_token", "_prev_global", "_prev_local")
+    __slots__ = ("frame", "first_line", "fired", "state", "_active", "_token", "_prev_global", "_prev_local", "_prev_opcodes")
 
     def __init__(self, frame: types.FrameType, first_line: int | None):
         self.frame = frame
@@ -49,19 +53,27 @@ class Skipper:
         self._token = SkipBody()
         self._prev_global: Any = None
         self._prev_local: Any = None
+        self._prev_opcodes = False
 
     def install(self) -> None:
         if self.first_line is None:
             return
         self._prev_global = sys.gettrace()
         self._prev_local = self.frame.f_trace
+        self._prev_opcodes = self.frame.f_trace_opcodes
         self.frame.f_trace = self._trace
         if self._prev_global is None:
             sys.settrace(_untraced)
         self._active = True
 
     def _trace(self, frame: types.FrameType, event: str, arg: Any) -> Any:
-        if event == "line" and frame is self.frame and frame.f_lineno >= self.first_line:  # type: ignore[operator]
+        if frame is self.frame and event in _EVENTS and frame.f_lineno >= self.first_line:  # type: ignore[operator]
+            if frame.f_code.co_code[frame.f_lasti] == _NOP:
+                # No exception handler covers a NOP (the line of a `try:`, a `while True:`):
+                # raised there, SkipBody would leave the frame without our __exit__. Raise at
+                # the body's first real instruction instead.
+                frame.f_trace_opcodes = True
+                return self._trace
             self.fired = True
             self.state = CallerState.capture()
             raise self._token
@@ -77,6 +89,7 @@ class Skipper:
         if sys.gettrace() is not self._prev_global:
             sys.settrace(self._prev_global)
         self.frame.f_trace = self._prev_local
+        self.frame.f_trace_opcodes = self._prev_opcodes
         # The token's traceback holds the caller's frame: drop it, so no cycle
         # is left for the garbage collector.
         self._token.__traceback__ = None

@@ -319,6 +319,7 @@ def _describe(node: ast.With, index: _FileIndex, filename: str, what: str) -> Bl
         )
     for stmt in node.body:
         _reject_escapes(stmt, filename, what)
+    _reject_guarded_start([stmt for stmt in node.body if not _is_noop(stmt)], filename, what)
     as_name = None
     for item in node.items:
         if isinstance(item.optional_vars, ast.Name):
@@ -427,6 +428,30 @@ def _assigned(body: list[ast.stmt] | tuple[ast.stmt, ...]) -> set[str]:
 
 def _is_noop(stmt: ast.stmt) -> bool:
     return isinstance(stmt, ast.Pass) or (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant))
+
+
+def _reject_guarded_start(body: list[ast.stmt], filename: str, what: str) -> None:
+    """A body is skipped in place by an exception raised at its first instruction; a ``try``
+    there with a ``finally`` or a handler for every exception would run its own code on it."""
+    while body and isinstance(body[0], (ast.Try, *_TRY_STAR)):
+        first = body[0]
+        catch_all = [h for h in first.handlers if h.type is None
+                     or (isinstance(h.type, ast.Name) and h.type.id == "BaseException")]
+        if first.finalbody or catch_all:
+            clause = "finally:" if first.finalbody else ("except:" if catch_all[0].type is None
+                                                         else "except BaseException:")
+            raise TraceError(
+                f"the {what} block at {filename}:{first.lineno} begins with a `try` whose `{clause}` "
+                "would run when backlens skips the body in place (it stops your frame at the body's "
+                "first instruction, inside that try).",
+                code="unsupported_statement",
+                remedy="Begin the body with another statement (e.g. `result = None`), or move the "
+                "try into a function the body calls.",
+            )
+        body = [stmt for stmt in first.body if not _is_noop(stmt)]
+
+
+_TRY_STAR: tuple[type, ...] = (ast.TryStar,) if hasattr(ast, "TryStar") else ()
 
 
 def _reject_escapes(stmt: ast.stmt, filename: str, what: str) -> None:
