@@ -296,3 +296,26 @@ def test_grad_spelled_in_comprehensions_augmented_and_chained_assignments_is_ser
     assert torch.equal(kept, first * 3)
     assert torch.allclose(mlp.fc1.weight.grad, stock * 3)
     assert "grad" not in torch.Tensor.__dict__  # served without patching the Tensor class
+
+
+def _engine_threads_during_backward(lens, x):
+    seen = {}
+    with lens.trace(x):
+        h = lens.fc1.output
+        with lens.output.sum().backward():
+            h.grad.save()
+            seen["multithreading"] = torch._C._is_multithreading_enabled()
+    return seen["multithreading"]
+
+
+def test_a_cpu_only_backward_keeps_the_engine_as_stock(lens, x):
+    assert _engine_threads_during_backward(lens, x) is True
+    assert torch._C._is_multithreading_enabled()
+
+
+def test_once_an_accelerator_is_in_use_the_engine_runs_its_device_work_in_the_calling_thread(
+    lens, x, monkeypatch
+):
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert _engine_threads_during_backward(lens, x) is False
+    assert torch._C._is_multithreading_enabled()

@@ -11,6 +11,7 @@ agree (nearly always) that is one fingerprint read and a tuple compare.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -188,5 +189,21 @@ def _switch(current: CallerState, target: CallerState) -> list[Callable[[], None
 
 
 def single_threaded_engine() -> Any:
-    """Keep the autograd engine's device work in the calling thread (where bodies switch)."""
+    """Keep the autograd engine's device work in the calling thread, where bodies switch.
+
+    The engine runs CPU nodes in the calling thread anyway; only an accelerator's nodes run in
+    its device threads. Turning those threads off costs about 3% of a CPU-only backward, so it
+    is done only once an accelerator is in use in this process.
+    """
+    if not _accelerator_in_use():
+        return contextlib.nullcontext()
     return torch.autograd.set_multithreading_enabled(False)
+
+
+def _accelerator_in_use() -> bool:
+    for name in ("cuda", "xpu", "mtia"):
+        initialized = getattr(getattr(torch, name, None), "is_initialized", None)
+        if initialized is not None and initialized():
+            return True
+    mps = getattr(torch.backends, "mps", None)
+    return bool(mps is not None and mps.is_available())
