@@ -272,12 +272,12 @@ def test_ops_table_has_one_row_per_op():
 
 
 def test_the_model_walk_names_modules_params_and_buffers_as_torch_does():
-    from backlens.capturing import _walk_model
+    from backlens.capture.walk import walk_model
 
     shared = nn.Linear(3, 3)
     model = nn.Sequential(shared, nn.BatchNorm1d(3), nn.Sequential(shared, nn.ReLU()), nn.Linear(3, 3))
     model[3].weight = shared.weight  # a tied parameter under a second name
-    addresses, types, params, buffers = _walk_model(model)
+    addresses, types, params, buffers = walk_model(model)
     assert [(a, i) for i, a in addresses.items()] == [(a, id(m)) for a, m in model.named_modules()]
     assert types == {a: type(m).__name__ for a, m in model.named_modules()}
     assert [(n, id(p)) for n, p in params.items()] == [(n, id(p)) for n, p in model.named_parameters()]

@@ -16,6 +16,7 @@ from torch_ports import mlp_input, mlp_weights
 import backlens as bl
 from backlens.derive import bundle as derived_bundle
 from backlens.derive import saving as derived_saving
+from backlens.io import replace
 
 
 def mlp(p, x):
@@ -112,7 +113,7 @@ def test_a_failed_save_leaves_the_old_bundle_in_place(tmp_path, jax_grads, monke
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(derived_saving, "put_in_place", disk_full)
+    monkeypatch.setattr(replace, "put_in_place", disk_full)
     with pytest.raises(bl.BundleError) as info:
         jax_grads.save(path, overwrite=True)
     assert info.value.code == "bundle_write_failed"

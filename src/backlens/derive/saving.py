@@ -40,7 +40,7 @@ import safetensors.numpy
 from backlens._version import __version__
 from backlens.errors import BundleError
 from backlens.io.disk_store import check_target
-from backlens.io.replace import Staging, clean_leftovers, put_in_place, recover, remove_old
+from backlens.io.replace import recover, write_whole
 
 FORMAT = "backlens.derived"
 KIND = "derived"
@@ -92,26 +92,11 @@ def save(grads: Any, path: str | os.PathLike, *, overwrite: bool = False) -> Pat
     body["checksum"] = checksum(body)
 
     recover(target)
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        clean_leftovers(target)
-        staging = Staging(target)
-    except OSError as exc:
-        raise BundleError(f"{target}: cannot write here ({exc.strerror or exc}).",
-                          code="bundle_write_failed", remedy="Choose a writable location.") from exc
-    try:
-        _write_file(staging.path / TENSORS, payload)
-        _write_file(staging.path / MANIFEST, json.dumps(body, indent=1).encode("utf-8"))
-        replaced = put_in_place(staging, target, overwrite)
-    except BaseException as exc:
-        staging.discard()
-        if isinstance(exc, OSError):
-            raise BundleError(f"{target}: writing the bundle failed ({exc.strerror or exc}).",
-                              code="bundle_write_failed",
-                              remedy="Choose a writable location with enough free space.") from exc
-        raise
-    remove_old(replaced, target)
-    return target
+    def write(directory: Path) -> None:
+        _write_file(directory / TENSORS, payload)
+        _write_file(directory / MANIFEST, json.dumps(body, indent=1).encode("utf-8"))
+
+    return write_whole(target, overwrite, write)
 
 
 def checksum(body: dict[str, Any]) -> str:

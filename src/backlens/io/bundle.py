@@ -46,7 +46,7 @@ from backlens.io import manifest as manifest_io
 from backlens.io.disk_store import DiskStore, check_target
 from backlens.io.files import BundleDir, damaged
 from backlens.io.names import MANIFEST, STREAM_MARKER
-from backlens.io.replace import Staging, clean_leftovers, put_in_place, recover, remove_old
+from backlens.io.replace import recover, write_whole
 from backlens.io.schema import decode_state, read_tensor_section
 from backlens.io.shards import (
     ITEMSIZE,
@@ -85,31 +85,16 @@ def save_state(state: CaptureState, path: str | os.PathLike | None = None, *, ov
     target = Path(path)
     recover(target)  # a replacement that died half-way: the old bundle goes back first
     check_target(target, overwrite)
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        clean_leftovers(target)
-        staging = Staging(target)
-    except OSError as exc:
-        raise BundleError(f"{target}: cannot write here ({exc.strerror or exc}).",
-                          code="bundle_write_failed", remedy="Choose a writable location.") from exc
-    try:
+    def write(directory: Path) -> None:
         total = _bytes_to_write(state) if progress_shown() else 0
         with progress("Saving bundle", total, unit="bytes", min_total=LARGE_BYTES) as advance:
-            writer = ShardWriter(staging.path, "tensors", advance=advance)
+            writer = ShardWriter(directory, "tensors", advance=advance)
             body = manifest_io.build(state, manifest_io.Refs(writer, store))
             writer.flush()
         body["tensors"] = manifest_io.tensor_section([writer])
-        manifest_io.write(staging.path, body)
-        replaced = put_in_place(staging, target, overwrite)
-    except BaseException as exc:
-        staging.discard()
-        if isinstance(exc, OSError):
-            raise BundleError(f"{target}: writing the bundle failed ({exc.strerror or exc}).",
-                              code="bundle_write_failed",
-                              remedy="Choose a writable location with enough free space.") from exc
-        raise
-    remove_old(replaced, target)
-    return target
+        manifest_io.write(directory, body)
+
+    return write_whole(target, overwrite, write)
 
 
 def _same_path(a: Any, b: Path) -> bool:

@@ -33,6 +33,7 @@ import shutil
 import stat
 import sys
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from backlens.errors import BundleError
@@ -177,6 +178,35 @@ def put_in_place(staging: Staging, target: Path, overwrite: bool) -> Path | None
         _unlock(held)
     staging.release()
     return old
+
+
+def write_whole(target: Path, overwrite: bool, write: Callable[[Path], None]) -> Path:
+    """Write a bundle at ``target`` all or nothing and return ``target``.
+
+    ``write(directory)`` fills a staging directory beside the target, which
+    then takes its place (with ``overwrite``, the old bundle stays until the new
+    one is whole). A failure leaves no staging behind; an ``OSError`` becomes a
+    :class:`BundleError` naming the target.
+    """
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        clean_leftovers(target)
+        staging = Staging(target)
+    except OSError as exc:
+        raise BundleError(f"{target}: cannot write here ({exc.strerror or exc}).",
+                          code="bundle_write_failed", remedy="Choose a writable location.") from exc
+    try:
+        write(staging.path)
+        replaced = put_in_place(staging, target, overwrite)
+    except BaseException as exc:
+        staging.discard()
+        if isinstance(exc, OSError):
+            raise BundleError(f"{target}: writing the bundle failed ({exc.strerror or exc}).",
+                              code="bundle_write_failed",
+                              remedy="Choose a writable location with enough free space.") from exc
+        raise
+    remove_old(replaced, target)
+    return target
 
 
 def remove_old(old: Path | None, target: Path) -> None:
