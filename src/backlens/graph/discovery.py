@@ -48,21 +48,7 @@ def walk_new(
     Returns the unknown nodes in discovery order, and the known nodes the walk
     reached (so the caller can tell whether the graph touches its own).
     """
-    seen: set[Node] = set()
-    found: list[Node] = []
-    reached_known: list[Node] = []
-    queue = deque(roots)
-    while queue:
-        node = queue.popleft()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if is_known(node):
-            reached_known.append(node)
-            continue
-        found.append(node)
-        queue.extend(next_node for next_node, _ in node.next_functions)
-    return found, reached_known
+    return _walk(roots, is_known)
 
 
 def walk_bounded(
@@ -73,20 +59,24 @@ def walk_bounded(
     Returns the unknown nodes inside, in discovery order, and the outside nodes
     the walk reached (where the graph leaves, as into a non-leaf input's history).
     """
+    found, stopped = _walk(roots, lambda node: is_known(node) or is_outside(node))
+    return found, [node for node in stopped if not is_known(node)]
+
+
+def _walk(roots: Iterable[Node], stop: Callable[[Node], bool]) -> tuple[list[Node], list[Node]]:
+    """The nodes a breadth-first walk from ``roots`` entered, in order, and those it stopped at."""
     seen: set[Node] = set()
     found: list[Node] = []
-    outside: list[Node] = []
+    stopped: list[Node] = []
     queue = deque(roots)
     while queue:
         node = queue.popleft()
         if node is None or node in seen:
             continue
         seen.add(node)
-        if is_known(node):
-            continue
-        if is_outside(node):
-            outside.append(node)
+        if stop(node):
+            stopped.append(node)
             continue
         found.append(node)
         queue.extend(next_node for next_node, _ in node.next_functions)
-    return found, outside
+    return found, stopped
