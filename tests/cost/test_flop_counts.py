@@ -250,3 +250,14 @@ def test_a_counted_create_graph_pass_gives_the_same_gradients_as_a_stock_one():
     counted = torch.autograd.grad(loss_of(cap.output), list(twin.parameters()), create_graph=True)
     assert all(torch.equal(a, b) for a, b in zip(stock, counted))
     assert bl.report.backward_status(cap).passes[0].counted
+
+
+def test_the_census_modes_dispatch_without_a_dynamo_disable_wrapper_per_aten_call():
+    from backlens.cost.census import BackwardCensus
+    from backlens.cost.counting import CountingMode
+    from backlens.cost.forward_count import _MetaCounter
+
+    for mode in (CountingMode, BackwardCensus, _MetaCounter):
+        dispatch = mode.__torch_dispatch__
+        assert not hasattr(dispatch, "__wrapped__"), mode  # torch's wrapper is functools.wraps'd
+        assert dispatch.__module__.startswith("backlens."), mode

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from backlens import _torch
 from backlens.cost.formulas import DECOMPOSE, plan_for, refresh_plans
 
 
-class CountingMode(TorchDispatchMode):
+class CountingMode(_torch.EagerDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self._plans = refresh_plans()
