@@ -99,6 +99,19 @@ def test_an_unreachable_request_while_gradients_flow_raises_at_once(mlp, lens, x
     assert_clean(mlp)
 
 
+def test_an_unreachable_request_after_the_loss_s_own_gradient_names_the_missing_path(mlp, lens, x):
+    with pytest.raises(NoGradientPathError) as info:
+        with lens.trace(x):
+            side = lens.fc1.output * 3
+            loss = lens.output.sum()
+            with loss.backward():
+                loss.grad.save()
+                side.grad  # noqa: B018  (a request, for its effect)
+    assert info.value.code == "no_gradient_path"
+    assert "`side`" in str(info.value)
+    assert_clean(mlp)
+
+
 def test_a_body_that_catches_an_unreachable_request_goes_on_reading_gradients(mlp, lens, x):
     ref = reference(mlp, x, ["fc1"])
     seen = {}

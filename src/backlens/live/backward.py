@@ -283,7 +283,6 @@ class BackwardRun:
         self.driver: Any = None
         self._graph: GraphIndex | None = None
         self._engine_task: int | None = None  # the id of this block's engine run, once it started
-        self._unchecked: list[_Target] = []  # requested before the engine started: checked as it does
         self._expect: dict[int, _Target] = {}
         self._served: dict[int, Event] = {}
         self._last: _Target | None = None
@@ -301,6 +300,9 @@ class BackwardRun:
         self.driver = getcurrent()
         error: BaseException | None = None
         try:
+            if self._engine_answers():
+                # Registered before the body's own hooks, so the engine calls it first.
+                self._handles.append(self.tensor.register_hook(self._check_in_engine))
             mediator.start()
             if mediator.error is None:
                 retain = self.retain_graph
@@ -310,8 +312,6 @@ class BackwardRun:
                 invoke = self.invoke.index if self.invoke is not None else None
                 single = self.tracer._single if self.tracer is not None else False
                 call = BackwardCall(invoke, kept, self.source.filename, self.source.with_line, single=single)
-                if self._unchecked:
-                    self._handles.append(self.tensor.register_hook(self._check_in_engine))
                 with single_threaded_engine():
                     _run_engine(self.tracer, call, self.tensor, self.gradient, retain, self.create_graph, self.inputs)
                 self._engine_task = None
@@ -329,7 +329,6 @@ class BackwardRun:
             self.mediator = None
             self._graph = None
             self._engine_task = None
-            self._unchecked.clear()
             self._expect.clear()
             self._served.clear()
             self._last = None
@@ -433,14 +432,10 @@ class BackwardRun:
                 f"gradient flows into it from {self.loss}."
             )
         node = full.grad_fn
-        if node is not None and self.inputs is None and _torch.HAS_ENGINE_NODE_QUERY \
-                and self.tensor.grad_fn is not None:
+        if node is not None and self._engine_answers():
             # Asked of the engine run, which knows its nodes: walking a fresh graph costs more
-            # than the rest of a block. Before the run starts, asked as it starts.
-            if node is self.tensor.grad_fn:
-                return node
-            if self._engine_task is None:
-                self._unchecked.append(target)
+            # than the rest of a block. Before the run starts, asked as it starts (_check_in_engine).
+            if node is self.tensor.grad_fn or self._engine_task is None:
                 return node
             runs = _torch.engine_will_run(node) if self._engine_task == _graph_task_id() else None
             if runs is False:
@@ -463,20 +458,26 @@ class BackwardRun:
             "so no gradient flows into it in this backward."
         )
 
+    def _engine_answers(self) -> bool:
+        """Whether the engine run can say which nodes it runs (not for ``inputs=``: it runs
+        only the paths to them, and a request off them gets its own error at the end)."""
+        return _torch.HAS_ENGINE_NODE_QUERY and self.inputs is None and self.tensor.grad_fn is not None
+
     def _check_in_engine(self, _grad: torch.Tensor) -> None:
-        """The loss's hook, the first thing the engine runs: check what was requested before it."""
+        """The loss's first hook, the engine's first call: note the run and check the request
+        the body is waiting on (made before the run, so not checked yet)."""
         if getcurrent() is not self.driver or self._engine_task is not None:
             return
         self._engine_task = _graph_task_id()
         mediator = self.mediator
-        unchecked, self._unchecked = self._unchecked, []
-        for target in unchecked:
-            if mediator is None or mediator.done or mediator.pending != id(target.full):
-                continue
-            if _torch.engine_will_run(target.node) is False:
-                mediator.fail(self._no_path(target))
-                if mediator.error is not None:
-                    raise StopRun()
+        if mediator is None or mediator.done or mediator.pending is None:
+            return
+        target = self._expect[mediator.pending]
+        node = target.node
+        if node is not None and node is not self.tensor.grad_fn and _torch.engine_will_run(node) is False:
+            mediator.fail(self._no_path(target))
+            if mediator.error is not None:
+                raise StopRun()
 
     def _check_order(self, target: _Target) -> None:
         last = self._last
