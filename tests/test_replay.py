@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 import backlens as bl
-from models import MLP, build, loss_of
+from models import MLP, Double, build, loss_of
 
 
 def mlp_capture(**options):
@@ -194,16 +194,6 @@ def test_a_missing_activation_at_the_frontier_is_named():
     with pytest.raises(bl.ReplayError) as caught:
         cap.do("relu_1", bl.scale(2.0), differentiable=True)
     assert caught.value.code == "replay_no_activation" and "'relu_1'" in str(caught.value)
-
-
-class Double(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * 2
 
 
 class WithCustomFunction(nn.Module):

@@ -121,3 +121,15 @@ def assert_equal(actual: np.ndarray, expected: np.ndarray, what: str) -> None:
     actual, expected = np.asarray(actual), np.asarray(expected)
     assert actual.shape == expected.shape and actual.dtype == expected.dtype, what
     assert np.array_equal(actual, expected), f"{what}: max diff {np.abs(actual - expected).max()}"
+
+
+def drifting(loss_fn):
+    """``loss_fn`` scaled by how many times it was called: a function whose output changes
+    between the derive's own call and the framework's (bl.derive must refuse it)."""
+    calls = []
+
+    def impure(model, x):
+        calls.append(1)
+        return loss_fn(model, x) * len(calls)
+
+    return impure

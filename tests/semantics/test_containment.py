@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 import backlens as bl
+from models import Double
 
 
 class Attends(nn.Module):
@@ -71,16 +72,6 @@ def test_out_proj_work_lands_in_the_attention_rows_of_reports():
     assert slices and all(s.depth == 3 for s in slices)  # pass > (model) > mha > mha.out_proj
     mha = [s for s in timeline if s.kind == "module" and s.name == "mha"]
     assert all(any(m.start_ns <= s.start_ns and s.end_ns <= m.end_ns for m in mha) for s in slices)
-
-
-class Double(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * 2
 
 
 class UsesFunction(nn.Module):
