@@ -8,8 +8,11 @@ saw). Sizes are bounded before anything is read, and reads are exact: a file
 that is shorter than it should be is a :class:`BundleError`, never a crash.
 The directory itself must be a real directory, not a link to one.
 
-JSON is parsed only after its nesting depth is checked on the raw bytes
-(:func:`parse_json`), so no file can drive the parser into deep recursion.
+JSON is parsed only after its nesting depth and the memory its objects would
+take are estimated from the raw bytes (:func:`parse_json`), so no file can
+drive the parser into deep recursion or build gigabytes of small objects from
+a file of megabytes; an object that repeats a key is refused (a reader keeping
+the last value would see what a checksum over the first did not).
 """
 
 from __future__ import annotations
@@ -29,12 +32,23 @@ from backlens.errors import BundleError
 MAX_JSON_DEPTH = 64
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 _PLAIN_NAME = re.compile(r"\A[A-Za-z0-9_][A-Za-z0-9_.+-]*\Z")
-# A JSON string: quotes around anything but quotes and backslashes, or escapes.
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+# A JSON string: quotes around anything but quotes and backslashes, or escapes. An unterminated
+# one runs to the end, so a match never fails once started and the scan takes linear time whatever
+# the bytes (a failing match, retried at every later quote, would take quadratic time).
+_JSON_STRING = re.compile(rb'"(?:[^"\\]+|\\.)*(?:"|\\?\Z)', re.DOTALL)
+_SCAN_CHUNK = 1 << 22  # bytes of JSON scanned at a time (bounds the scan's own temporaries)
+# What parsed JSON costs in memory, per element (CPython, 64-bit; a little above the real sizes).
+_OBJECT_BYTES, _ARRAY_BYTES, _MEMBER_BYTES, _ITEM_BYTES, _STRING_BYTES = 64, 56, 40, 32, 56
+MAX_JSON_MEMORY = 1 << 30  # the default bound on what parsing one JSON file may allocate
 _DAMAGED = "The bundle is damaged or was not written by backlens; save it again."
 
 
+MAX_MESSAGE = 2000  # characters of an error message about a bundle (a hostile one can name a lot)
+
+
 def damaged(message: str, code: str = "bundle_corrupt") -> BundleError:
+    if len(message) > MAX_MESSAGE:
+        message = message[:MAX_MESSAGE - 20] + " ... (cut short)"
     return BundleError(message, code=code, remedy=_DAMAGED)
 
 
@@ -153,27 +167,72 @@ def read_exact(descriptor: int, length: int, offset: int, path: Path, into: Any 
     return buffer
 
 
+class JsonShape:
+    """What the JSON text ``raw`` holds, counted on its bytes without parsing it."""
+
+    def __init__(self, raw: bytes | bytearray):
+        outside = _JSON_STRING.sub(b'""', raw)  # strings emptied: their brackets are text
+        self.depth = 0
+        counts = dict.fromkeys(b'{[:,"', 0)
+        level = 0
+        view = memoryview(outside)
+        for start in range(0, len(outside), _SCAN_CHUNK):
+            codes = np.frombuffer(view[start:start + _SCAN_CHUNK], dtype=np.uint8)
+            for code in counts:
+                counts[code] += int(np.count_nonzero(codes == code))
+            opening = (codes == ord("[")) | (codes == ord("{"))
+            closing = (codes == ord("]")) | (codes == ord("}"))
+            either = opening | closing
+            steps = opening[either].astype(np.int64) - closing[either]
+            if steps.size:
+                levels = np.cumsum(steps) + level
+                self.depth = max(self.depth, int(levels.max()))
+                level = int(levels[-1])
+        del view
+        strings = counts[ord('"')] // 2
+        members = counts[ord(":")]  # one key each (keys are shared between objects: not counted)
+        self.memory = (len(raw) + (len(raw) - len(outside)) + _OBJECT_BYTES * counts[ord("{")]
+                       + _ARRAY_BYTES * counts[ord("[")] + _MEMBER_BYTES * members
+                       + _ITEM_BYTES * counts[ord(",")] + _STRING_BYTES * max(strings - members, 0))
+
+
 def json_depth(raw: bytes) -> int:
     """The deepest nesting of arrays and objects in the JSON text ``raw`` (strings skipped)."""
-    outside = _JSON_STRING.sub(b'""', raw)
-    codes = np.frombuffer(outside, dtype=np.uint8)
-    opening = (codes == ord("[")) | (codes == ord("{"))
-    closing = (codes == ord("]")) | (codes == ord("}"))
-    steps = opening.astype(np.int8)[opening | closing] - closing.astype(np.int8)[opening | closing]
-    if not steps.size:
-        return 0
-    return int(np.cumsum(steps, dtype=np.int64).max())
+    return JsonShape(raw).depth
 
 
-def parse_json(raw: bytes, path: Path, what: str, max_depth: int = MAX_JSON_DEPTH) -> Any:
-    """Parse untrusted JSON: the depth is checked before the parser runs; any failure is a BundleError."""
+class _RepeatedKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    found = dict(pairs)
+    if len(found) != len(pairs):
+        seen: set[str] = set()
+        for key, _value in pairs:
+            if key in seen:
+                raise _RepeatedKey(f"the key {key[:80]!r} appears twice in one object")
+            seen.add(key)
+    return found
+
+
+def parse_json(raw: bytes, path: Path, what: str, max_depth: int = MAX_JSON_DEPTH,
+               max_memory: int = MAX_JSON_MEMORY) -> Any:
+    """Parse untrusted JSON: depth and memory are checked before the parser runs, a repeated key
+    in an object is refused; any failure is a BundleError."""
     try:
-        depth = json_depth(raw)
+        shape = JsonShape(raw)
     except (ValueError, MemoryError) as exc:
         raise damaged(f"{path}: malformed JSON in the {what} ({exc}).") from exc
-    if depth > max_depth:
-        raise damaged(f"{path}: malformed JSON in the {what}: nested {depth} deep (at most {max_depth}).")
+    if shape.depth > max_depth:
+        raise damaged(f"{path}: malformed JSON in the {what}: nested {shape.depth} deep (at most {max_depth}).")
+    if shape.memory > max_memory:
+        raise damaged(f"{path}: the {what} would take about {shape.memory >> 20} MiB of memory to read "
+                      f"(at most {max_memory >> 20} MiB): it holds far more elements than a backlens "
+                      f"{what} of its size.", code="bundle_too_large")
     try:
-        return json.loads(raw.decode("utf-8"))
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except _RepeatedKey as exc:
+        raise damaged(f"{path}: malformed JSON in the {what}: {exc}.", code="bundle_duplicate_key") from None
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise damaged(f"{path}: malformed JSON in the {what} ({type(exc).__name__}: {str(exc)[:200]}).") from exc
