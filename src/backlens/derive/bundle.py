@@ -29,7 +29,7 @@ from backlens.errors import BundleError
 from backlens.io.files import BundleDir, parse_json, read_exact
 
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
-MAX_MANIFEST_MEMORY = 256 * 1024 * 1024  # what parsing the manifest may allocate (io/files.parse_json)
+MAX_MANIFEST_MEMORY = 384 * 1024 * 1024  # what reading the manifest may take (io/files.parse_json)
 MAX_SHAPE_PRODUCT = 2**62  # sizes multiplying past this overflow numpy's and torch's 64-bit sizes
 _PARSE_WHOLE_BELOW = 1024 * 1024
 _OPENING = re.compile(rb'\A\s*\{\s*"format"\s*:\s*"backlens\.derived"\s*,\s*"kind"\s*:\s*"derived"')

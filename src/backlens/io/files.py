@@ -35,11 +35,11 @@ _PLAIN_NAME = re.compile(r"\A[A-Za-z0-9_][A-Za-z0-9_.+-]*\Z")
 # A JSON string: quotes around anything but quotes and backslashes, or escapes. An unterminated
 # one runs to the end, so a match never fails once started and the scan takes linear time whatever
 # the bytes (a failing match, retried at every later quote, would take quadratic time).
-_JSON_STRING = re.compile(rb'"(?:[^"\\]+|\\.)*(?:"|\\?\Z)', re.DOTALL)
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.DOTALL)
 _SCAN_CHUNK = 1 << 22  # bytes of JSON scanned at a time (bounds the scan's own temporaries)
 # What parsed JSON costs in memory, per element (CPython, 64-bit; a little above the real sizes).
 _OBJECT_BYTES, _ARRAY_BYTES, _MEMBER_BYTES, _ITEM_BYTES, _STRING_BYTES = 64, 56, 40, 32, 56
-MAX_JSON_MEMORY = 1 << 30  # the default bound on what parsing one JSON file may allocate
+MAX_JSON_MEMORY = 256 << 20  # the default bound on what reading one small JSON file (a header) may take
 _DAMAGED = "The bundle is damaged or was not written by backlens; save it again."
 
 
