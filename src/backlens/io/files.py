@@ -32,14 +32,13 @@ from backlens.errors import BundleError
 MAX_JSON_DEPTH = 64
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 _PLAIN_NAME = re.compile(r"\A[A-Za-z0-9_][A-Za-z0-9_.+-]*\Z")
-# A JSON string: quotes around anything but quotes and backslashes, or escapes. An unterminated
-# one runs to the end, so a match never fails once started and the scan takes linear time whatever
-# the bytes (a failing match, retried at every later quote, would take quadratic time).
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.DOTALL)
-_SCAN_CHUNK = 1 << 22  # bytes of JSON scanned at a time (bounds the scan's own temporaries)
+_SCAN_CHUNK = 1 << 19  # bytes of JSON scanned at a time (bounds the scan's own temporaries)
 # What parsed JSON costs in memory, per element (CPython, 64-bit; a little above the real sizes).
 _OBJECT_BYTES, _ARRAY_BYTES, _MEMBER_BYTES, _ITEM_BYTES, _STRING_BYTES = 64, 56, 40, 32, 56
 MAX_JSON_MEMORY = 256 << 20  # the default bound on what reading one small JSON file (a header) may take
+# And in proportion to its size: what backlens writes costs 5 to 9 times its bytes once read; a file
+# of tiny objects, 30 times and more. (Small files may cost more: a floor.)
+MAX_JSON_RATIO, JSON_RATIO_FLOOR = 16, 64 << 20
 _DAMAGED = "The bundle is damaged or was not written by backlens; save it again."
 
 
@@ -168,32 +167,51 @@ def read_exact(descriptor: int, length: int, offset: int, path: Path, into: Any 
 
 
 class JsonShape:
-    """What the JSON text ``raw`` holds, counted on its bytes without parsing it."""
+    """What the JSON text ``raw`` holds, counted on its bytes without parsing it: its nesting
+    ``depth`` and about how much ``memory`` reading it takes (the bytes, their text, the objects).
+
+    One pass over fixed-size chunks, in linear time and with memory of the chunk's size whatever
+    the bytes. In each chunk escapes are blanked first, left to right as JSON reads them (an
+    escaped backslash, then an escaped quote; an escape cut by the chunk's end is finished in the
+    next), so every quote left delimits a string, and what lies between an odd quote and the next
+    is string content (its brackets are text). Outside strings a backslash is not JSON at all: the
+    parser stops there, so what the count makes of the rest does not matter.
+    """
 
     def __init__(self, raw: bytes | bytearray):
-        outside = _JSON_STRING.sub(b'""', raw)  # strings emptied: their brackets are text
         self.depth = 0
-        counts = dict.fromkeys(b'{[:,"', 0)
-        level = 0
-        view = memoryview(outside)
-        for start in range(0, len(outside), _SCAN_CHUNK):
-            codes = np.frombuffer(view[start:start + _SCAN_CHUNK], dtype=np.uint8)
+        counts = dict.fromkeys(b"{[:,", 0)
+        quotes = content = level = 0
+        inside = escaped = False
+        view = memoryview(raw)
+        for start in range(0, len(raw), _SCAN_CHUNK):
+            data = bytearray(view[start:start + _SCAN_CHUNK])
+            if escaped:
+                data[0] = ord("_")  # the character an escape cut at the chunk's end applies to
+            if b"\\" in data:
+                data = data.replace(b"\\\\", b"__").replace(b'\\"', b"__")
+            escaped = data.endswith(b"\\")
+            codes = np.frombuffer(data, dtype=np.uint8)
+            quote = codes == ord('"')
+            # Inside a string: after an odd number of quotes (the opening quote in, the closing out).
+            within = (np.cumsum(quote, dtype=np.uint8) + inside) & 1 == 1  # uint8 wraps: parity kept
+            inside = bool(within[-1])
+            outside = ~within
+            quotes += int(np.count_nonzero(quote))
+            content += int(np.count_nonzero(within & ~quote))
             for code in counts:
-                counts[code] += int(np.count_nonzero(codes == code))
-            opening = (codes == ord("[")) | (codes == ord("{"))
-            closing = (codes == ord("]")) | (codes == ord("}"))
-            either = opening | closing
-            steps = opening[either].astype(np.int64) - closing[either]
-            if steps.size:
-                levels = np.cumsum(steps) + level
-                self.depth = max(self.depth, int(levels.max()))
-                level = int(levels[-1])
+                counts[code] += int(np.count_nonzero((codes == code) & outside))
+            opening = ((codes == ord("[")) | (codes == ord("{"))) & outside
+            closing = ((codes == ord("]")) | (codes == ord("}"))) & outside
+            levels = np.cumsum(opening.view(np.int8) - closing.view(np.int8), dtype=np.int32) + level
+            self.depth = max(self.depth, int(levels.max()))
+            level = int(levels[-1])
         del view
-        strings = counts[ord('"')] // 2
+        strings = (quotes + 1) // 2
         members = counts[ord(":")]  # one key each (keys are shared between objects: not counted)
-        self.memory = (len(raw) + (len(raw) - len(outside)) + _OBJECT_BYTES * counts[ord("{")]
-                       + _ARRAY_BYTES * counts[ord("[")] + _MEMBER_BYTES * members
-                       + _ITEM_BYTES * counts[ord(",")] + _STRING_BYTES * max(strings - members, 0))
+        self.memory = (2 * len(raw) + content + _OBJECT_BYTES * counts[ord("{")] + _ARRAY_BYTES * counts[ord("[")]
+                       + _MEMBER_BYTES * members + _ITEM_BYTES * counts[ord(",")]
+                       + _STRING_BYTES * max(strings - members, 0))
 
 
 def json_depth(raw: bytes) -> int:
@@ -218,18 +236,20 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def parse_json(raw: bytes, path: Path, what: str, max_depth: int = MAX_JSON_DEPTH,
                max_memory: int = MAX_JSON_MEMORY) -> Any:
-    """Parse untrusted JSON: depth and memory are checked before the parser runs, a repeated key
-    in an object is refused; any failure is a BundleError."""
+    """Parse untrusted JSON: depth and memory (at most ``max_memory``, and ``MAX_JSON_RATIO`` times
+    the size above a floor) are checked before the parser runs, a repeated key in an object is
+    refused; any failure is a BundleError."""
     try:
         shape = JsonShape(raw)
     except (ValueError, MemoryError) as exc:
         raise damaged(f"{path}: malformed JSON in the {what} ({exc}).") from exc
     if shape.depth > max_depth:
         raise damaged(f"{path}: malformed JSON in the {what}: nested {shape.depth} deep (at most {max_depth}).")
-    if shape.memory > max_memory:
+    bound = min(max_memory, MAX_JSON_RATIO * len(raw) + JSON_RATIO_FLOOR)
+    if shape.memory > bound:
         raise damaged(f"{path}: the {what} would take about {shape.memory >> 20} MiB of memory to read "
-                      f"(at most {max_memory >> 20} MiB): it holds far more elements than a backlens "
-                      f"{what} of its size.", code="bundle_too_large")
+                      f"(at most {bound >> 20} MiB for {len(raw) >> 10} KiB): it holds far more elements "
+                      f"than a backlens {what} of its size.", code="bundle_too_large")
     try:
         return json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
     except _RepeatedKey as exc:

@@ -47,9 +47,10 @@ FORMAT = "backlens.bundle"
 FORMAT_VERSION = 2
 MAX_MANIFEST_BYTES = 256 << 20  # a bound on what a manifest may cost before it is checked
 # A bound on the memory reading a manifest may take (its bytes, their text and the parsed objects,
-# estimated from the bytes before parsing): a manifest backlens writes costs about 4.6 times its size
-# (1.2 GiB at the size bound); a file of tiny objects would cost 30 times (8 GiB at that size).
-MAX_MANIFEST_MEMORY = 3 << 29
+# estimated from the bytes before parsing; io/files.parse_json also bounds it at 16 times the size):
+# a manifest backlens writes costs 5 to 7 times its size (under 2 GiB at the size bound); a file of
+# tiny objects would cost 30 times.
+MAX_MANIFEST_MEMORY = 2 << 30
 HEADER = ("format", "format_version", "backlens_version", "torch_version", "created")
 
 # Upgrades from an older format version to the next one: version -> fn(manifest) -> manifest.
