@@ -28,8 +28,8 @@ x = torch.randn(2, 6)
 
 # (case, call, expected code); `cap` is passed to every call.
 CASES = [
-    ("capture_save_activations_all", lambda c: bl.capture(model(), x, save_activations="all"), "unsupported_input"),
-    ("capture_save_grads_all", lambda c: bl.capture(model(), x, save_grads="all"), "unsupported_input"),
+    ("capture_save_activations_all", lambda c: bl.capture(model(), x, save_activations="all"), "bad_argument"),
+    ("capture_save_grads_all", lambda c: bl.capture(model(), x, save_grads="all"), "bad_argument"),
     ("capture_mistyped_save_grad", lambda c: bl.capture(model(), x, save_grad=True), "mistyped_option"),
     ("capture_mistyped_save_activation", lambda c: bl.capture(model(), x, save_activation=True), "mistyped_option"),
     ("capture_mistyped_flop", lambda c: bl.capture(model(), x, flop=False), "mistyped_option"),
@@ -117,6 +117,38 @@ CASES = [
      "bad_repeats"),
 ]
 
+# Calls a round of adversarial review found accepted silently or failing with torch's raw TypeError; each
+# message must name the argument (the last field).
+NAMED = [
+    ("capture_save_grads_none", lambda c: bl.capture(model(), x, save_grads=None), "bad_argument", "save_grads"),
+    ("capture_save_activations_none", lambda c: bl.capture(model(), x, save_activations=None), "bad_argument",
+     "save_activations"),
+    ("scale_infinite", lambda c: bl.scale(float("inf")), "bad_argument", "factor"),
+    ("scale_minus_infinite", lambda c: bl.scale(float("-inf")), "bad_argument", "factor"),
+    ("keep_grad_of_the_scale_factory", lambda c: bl.keep_grad(bl.scale), "bad_edit", "bl.scale(...)"),
+    ("keep_grad_of_the_zero_ablate_factory", lambda c: bl.keep_grad(bl.zero_ablate), "bad_edit", "bl.zero_ablate"),
+    ("when_of_the_clip_norm_factory", lambda c: bl.when("relu_1", bl.clip_norm), "bad_edit", "bl.clip_norm"),
+    ("when_edit_without_ctx", lambda c: bl.when("relu_1", lambda v: v * 2), "bad_edit", "ctx"),
+    ("when_edit_taking_nothing", lambda c: bl.when("relu_1", lambda: None), "bad_edit", "ctx"),
+    ("grad_of_an_empty_name", lambda c: bl.grad(""), "bad_site", "empty name"),
+    ("when_at_an_empty_name", lambda c: bl.when(" ", bl.scale(2.0)), "bad_site", "empty name"),
+    ("do_at_an_empty_name", lambda c: c.do("", bl.scale(2.0)), "bad_site", "empty name"),
+    ("wrap_batcher_a_number", lambda c: bl.wrap(model(), batcher=5), "bad_argument", "batcher"),
+    ("wrap_batcher_without_combine", lambda c: bl.wrap(model(), batcher=type("B", (), {"size": len})()),
+     "bad_argument", "batcher"),
+    ("clip_norm_zero", lambda c: bl.clip_norm(0), "bad_argument", "max_norm"),
+    ("validate_non_scalar_loss", lambda c: bl.validate(model(), x, lambda out: out), "loss_required", "loss_fn"),
+    ("backward_retain_graph_a_string", lambda c: c.backward(c.output.sum(), retain_graph="yes"), "bad_argument",
+     "retain_graph"),
+    ("backward_create_graph_a_string", lambda c: c.backward(c.output.sum(), create_graph="no"), "bad_argument",
+     "create_graph"),
+    ("backward_inputs_a_number", lambda c: c.backward(c.output.sum(), inputs=5), "bad_argument", "inputs"),
+    ("backward_inputs_empty", lambda c: c.backward(c.output.sum(), inputs=[]), "bad_argument", "inputs"),
+    ("backward_grad_tensors_a_number", lambda c: c.backward(c.output.sum(), grad_tensors=5), "bad_argument",
+     "grad_tensors"),
+    ("backward_non_scalar_loss", lambda c: c.backward(c.output), "loss_required", "shape (2, 3)"),
+]
+
 
 @pytest.mark.parametrize("call, code", [case[1:] for case in CASES], ids=[case[0] for case in CASES])
 def test_a_bad_argument_is_a_named_error_at_the_call(cap, call, code):
@@ -126,6 +158,48 @@ def test_a_bad_argument_is_a_named_error_at_the_call(cap, call, code):
     assert error.code == code, str(error)
     assert error.remedy and error.remedy != bl.BacklensError.remedy
     assert isinstance(error, (ValueError, TypeError, LookupError))
+
+
+@pytest.mark.parametrize("call, code, named", [case[1:] for case in NAMED], ids=[case[0] for case in NAMED])
+def test_a_bad_argument_is_refused_at_the_call_naming_it(cap, call, code, named):
+    passes = len(cap.passes)
+    with pytest.raises(bl.BacklensError) as info:
+        call(cap)
+    error = info.value
+    assert error.code == code, str(error)
+    assert named in str(error).splitlines()[0]
+    assert isinstance(error, (ValueError, TypeError))
+    assert len(cap.passes) == passes  # nothing ran: no pass recorded, failed or not
+
+
+def test_a_bad_backward_option_records_no_pass_and_leaves_the_capture_usable():
+    model_ = MLP()
+    cap = bl.capture(model_, x, save_grads=True)
+    with pytest.raises(bl.UnsupportedInputError, match="retain_graph"):
+        cap.backward(cap.output.sum(), retain_graph="yes")
+    assert len(cap.passes) == 0
+    cap.backward(cap.output.sum())
+    assert [p.status for p in cap.passes] == ["ok"]
+    stock = MLP()
+    stock.load_state_dict(model_.state_dict())
+    stock(x).sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model_.parameters(), stock.parameters()))
+
+
+def test_an_edit_without_ctx_is_refused_when_made_and_the_backward_runs_untouched():
+    torch.manual_seed(0)
+    model_, stock = MLP(), MLP()
+    stock.load_state_dict(model_.state_dict())
+    with pytest.raises(bl.UnsupportedInputError, match="ctx"):
+        bl.capture(model_, x, intervene=bl.when(bl.grad("relu_1"), lambda g: g * 0))
+    model_(x).sum().backward()
+    stock(x).sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model_.parameters(), stock.parameters()))
+
+
+def test_an_edit_taking_ctx_by_keyword_or_any_keywords_is_accepted():
+    for edit in (lambda value, *, ctx: value, lambda value, ctx: value, lambda value, **kwargs: value):
+        assert bl.when("relu_1", edit).edit(torch.ones(2), ctx=None).tolist() == [1.0, 1.0]
 
 
 def test_a_mistyped_option_names_the_right_one_and_reaches_no_model():

@@ -125,3 +125,93 @@ def no_mistyped_options(kwargs: dict[str, Any], options: Iterable[str], forward:
                 code="mistyped_option",
                 remedy=f"Spell it {option}=.",
             )
+
+
+def policy(value: Any, name: str, where: str) -> None:
+    """``True``, ``False`` or a selector (what ``save_grads=`` and ``save_activations=`` take)."""
+    if not (value is True or value is False or callable(getattr(value, "matches", None))):
+        raise _bad(where, name, "True, False or a selector", value,
+                   f"Pass {name}=True, {name}=False, or a selector such as bl.func('relu').")
+
+
+def backward_options(where: str, gradient: Any, retain_graph: Any, create_graph: Any, inputs: Any, *,
+                     gradient_name: str = "gradient") -> None:
+    """The options a backward passes to autograd, checked before any pass starts (so a wrong one
+    never reaches torch, which would fail with a raw TypeError after the pass has begun)."""
+    import torch
+
+    if retain_graph is not None:
+        flag(retain_graph, "retain_graph", where)
+    flag(create_graph, "create_graph", where)
+    if gradient is not None and not isinstance(gradient, torch.Tensor):
+        items = gradient if isinstance(gradient, (tuple, list)) else None
+        if items is None or not all(item is None or isinstance(item, torch.Tensor) for item in items):
+            raise _bad(where, gradient_name, "a tensor (or a sequence of tensors)", gradient,
+                       f"Pass {gradient_name}=torch.ones_like(loss), or leave it out for a scalar loss.")
+    if inputs is None:
+        return
+    edge = getattr(torch.autograd.graph, "GradientEdge", ())
+    items = (inputs,) if isinstance(inputs, (torch.Tensor, edge)) else inputs
+    if not isinstance(items, (tuple, list)) or not items \
+            or not all(isinstance(item, (torch.Tensor, edge)) for item in items):
+        raise _bad(where, "inputs", "a tensor or a non-empty sequence of tensors", inputs,
+                   "Pass the leaves to accumulate into, e.g. inputs=[model.weight], or leave it out.")
+
+
+def scalar_loss(loss: Any, where: str, name: str = "loss_fn") -> Any:
+    """What ``name`` returned, refused unless it is a one-element tensor (a loss to call backward on)."""
+    import torch
+
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise UnsupportedInputError(f"{where}: {name} returned {what}; it must return a scalar tensor (the loss).",
+                                    code="loss_required",
+                                    remedy=f"Reduce it to a scalar in {name}, e.g. lambda out: out.sum().")
+    return loss
+
+
+def edit_callable(fn: Any, where: str) -> None:
+    """An edit callable must take the value and ``ctx=`` (``fn(value, *, ctx)``); checked when the
+    edit is made, so a wrong one never aborts the user's backward when it first applies."""
+    factory = getattr(fn, "__module__", None) == "backlens.edits" and callable(fn) \
+        and getattr(fn, "__name__", "") in ("scale", "zero_ablate", "clamp", "add_noise", "clip_norm", "keep_grad")
+    if factory:
+        raise UnsupportedInputError(
+            f"{where}: bl.{fn.__name__} makes an edit; pass the edit it makes, bl.{fn.__name__}(...), not the "
+            "function itself.", code="bad_edit",
+            remedy=f"Call it: e.g. bl.{fn.__name__}({_FACTORY_EXAMPLES.get(fn.__name__, '')}).")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # a builtin without a readable signature: it is taken at its word
+    try:
+        signature.bind(object(), ctx=object())
+    except TypeError:
+        name = getattr(fn, "__qualname__", type(fn).__name__)
+        raise UnsupportedInputError(
+            f"{where}: the edit {name}{signature} cannot be called as fn(value, ctx=...): an edit callable "
+            "takes the tensor and a keyword argument ctx.",
+            code="bad_edit",
+            remedy="Define it as def edit(value, *, ctx): ... and return a tensor of the value's shape and dtype.",
+        ) from None
+
+
+_FACTORY_EXAMPLES = {"scale": "0.5", "zero_ablate": "", "clamp": "-1.0, 1.0", "add_noise": "0.1",
+                     "clip_norm": "1.0", "keep_grad": "bl.zero_ablate()"}
+
+
+def batcher(value: Any, where: str) -> None:
+    """An object with the two methods of ``bl.Batcher``: ``size`` and ``combine``."""
+    if not all(callable(getattr(value, method, None)) for method in ("size", "combine")):
+        raise _bad(where, "batcher", "a Batcher (an object with size(*args, **kwargs) and combine(invokes))", value,
+                   "Pass an object with both methods, or leave batcher out to concatenate along dim 0.")
+
+
+def problem(check: Callable[..., Any], *args: Any, **kwargs: Any) -> UnsupportedInputError | None:
+    """The error ``check(*args, **kwargs)`` raises, or None (for entry points that raise it later,
+    from the ``with`` line)."""
+    try:
+        check(*args, **kwargs)
+    except UnsupportedInputError as exc:
+        return exc
+    return None

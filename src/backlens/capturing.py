@@ -97,6 +97,8 @@ def capture(
     for name, value in (("flops", flops), ("timing", timing), ("backward", backward),
                         ("detect_nonfinite", detect_nonfinite)):
         _args.flag(value, name, "bl.capture")
+    _args.policy(save_grads, "save_grads", "bl.capture")
+    _args.policy(save_activations, "save_activations", "bl.capture")
     policy = GradPolicy(save_grads)
     activations = ActivationPolicy(save_activations)
     interventions = as_interventions(intervene)
@@ -287,6 +289,14 @@ class Capture(CaptureRecords):
                     f"{', '.join(BACKWARD_OPTIONS)}.",
                     code="mistyped_option" if option else "unknown_option",
                     remedy=f"Spell it {option}=." if option else "Drop it, or pass one of the options named.")
+        _args.backward_options("cap.backward", backward_kwargs.get("grad_tensors"), backward_kwargs.get("retain_graph"),
+                               backward_kwargs.get("create_graph", False), backward_kwargs.get("inputs"),
+                               gradient_name="grad_tensors")
+        if loss is not None and loss.numel() != 1 and backward_kwargs.get("grad_tensors") is None:
+            raise UnsupportedInputError(
+                f"cap.backward: loss is a tensor of shape {tuple(loss.shape)}; without grad_tensors= the loss "
+                "must be a scalar.", code="loss_required",
+                remedy="Reduce it (cap.backward(loss.sum())) or pass grad_tensors=torch.ones_like(loss).")
         policy = GradPolicy(save_grads) if save_grads is not None else None
         self._check_backward_available()
         if loss is None:

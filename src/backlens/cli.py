@@ -92,8 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - one clear line unless --debug
         if args.debug:
             raise
+        from backlens._text import printable  # a message may quote a bundle's text
+
         first = str(exc).splitlines()[0] if str(exc) else ""
-        print(f"backlens {args.command}: {type(exc).__name__}: {first}", file=sys.stderr)
+        print(f"backlens {args.command}: {type(exc).__name__}: {printable(first)}", file=sys.stderr)
         return 2
     return 0
 
@@ -289,12 +291,13 @@ def _profile(args) -> None:
 # -- show ----------------------------------------------------------------------
 
 def _show(args) -> None:
-    from rich.console import Console
+    from rich.text import Text
 
     import backlens as bl
+    from backlens._text import text_console
     from backlens.report.profile import build_profile, html_report, rich_tables, summary_line
 
-    console = Console()
+    console = text_console()  # a bundle's names are untrusted: printed as text, never as markup
     cap = bl.load(args.bundle)
     if isinstance(cap, bl.DerivedGrads):
         _show_derived(console, args, cap)
@@ -302,8 +305,8 @@ def _show(args) -> None:
     if isinstance(cap, bl.RankSet):
         _show_ranks(console, args, cap)
         return
-    console.print(f"[bold]{args.bundle}[/bold]: {len(cap.ops)} forward ops, {len(cap.modules)} module calls, "
-                  f"{len(cap.grad_fns)} autograd nodes, {len(cap.passes)} backward passes")
+    console.print(Text.assemble((args.bundle, "bold"), f": {len(cap.ops)} forward ops, {len(cap.modules)} module "
+                                f"calls, {len(cap.grad_fns)} autograd nodes, {len(cap.passes)} backward passes"))
     profile = build_profile(cap, f"backlens show: {os.path.basename(os.path.normpath(args.bundle))}")
     for table in rich_tables(profile):
         console.print(table)
@@ -320,13 +323,15 @@ def _show_ranks(console, args, ranks) -> None:
     """A directory of rank bundles: the cross-rank table, and whether replicated gradients agree."""
     import json
 
+    from rich.text import Text
+
     import backlens as bl
 
     if args.html:
         raise UsageError(f"{args.bundle} holds {ranks.world_size} ranks' bundles: --html reports one capture; "
                          f"run backlens show on one rank's bundle ({ranks[0].path}).")
     passes = ", ".join(f"rank {cap.rank}: {len(cap.passes)}" for cap in ranks)
-    console.print(f"[bold]{args.bundle}[/bold]: {ranks.world_size} ranks (backward passes {passes})")
+    console.print(Text.assemble((args.bundle, "bold"), f": {ranks.world_size} ranks (backward passes {passes})"))
     console.print(ranks.cost_tree())
     check = ranks.check_grads()
     if check:
@@ -354,13 +359,14 @@ def _show_ranks(console, args, ranks) -> None:
 def _show_derived(console, args, derived) -> None:
     """A derived-gradients bundle has no backward to profile: print its leaf gradients."""
     from rich.table import Table
+    from rich.text import Text
 
     if args.html or args.timeline:
         raise UsageError(f"{args.bundle} holds derived gradients ({derived.framework}), which have no "
                           "backward pass to report: --html and --timeline need a capture bundle.")
-    console.print(f"[bold]{args.bundle}[/bold]: derived gradients from {derived.framework} "
-                  f"{derived.version}, output {derived.output.tolist()}, "
-                  f"{len(derived.leaf_grads)} leaf gradients")
+    console.print(Text.assemble((args.bundle, "bold"), f": derived gradients from {derived.framework} "
+                                f"{derived.version}, output {derived.output.tolist()}, "
+                                f"{len(derived.leaf_grads)} leaf gradients"))
     table = Table(title="Leaf gradients")
     for column in ("kind", "name", "shape", "dtype", "grad_norm"):
         table.add_column(column)

@@ -81,6 +81,12 @@ class SiteUnion(Site):
 def as_site(value: Any) -> Site:
     if isinstance(value, Site):
         return value
+    if isinstance(value, str) and not value.strip():
+        raise UnsupportedInputError(
+            f"An edit site names an op or a module, got the empty name {value!r} (an empty variable is the "
+            "likelier cause than a wish to edit the whole model's output).", code="bad_site",
+            remedy="Pass e.g. 'relu_1' or 'encoder.layer.0'; for the model's output, name the op that makes it "
+            "(cap.ops[-1].label).")
     if isinstance(value, str) or hasattr(value, "matches"):
         return Site((value,), gradient=False)
     raise UnsupportedInputError(
@@ -112,8 +118,8 @@ class Edit:
 
 
 def scale(factor: float) -> Edit:
-    """Multiply by ``factor`` (a number)."""
-    _args.number(factor, "factor", "bl.scale", example="0.5")
+    """Multiply by ``factor`` (a finite number)."""
+    _args.number(factor, "factor", "bl.scale", finite=True, example="0.5")
     return Edit(f"scale({factor!r})", lambda v, ctx: v * factor)
 
 
@@ -149,8 +155,8 @@ def add_noise(std: float, *, seed: int = 0) -> Edit:
 
 
 def clip_norm(max_norm: float) -> Edit:
-    """Rescale so the tensor's 2-norm is at most ``max_norm`` (0 or more)."""
-    _args.number(max_norm, "max_norm", "bl.clip_norm", low=0.0, finite=True, example="1.0")
+    """Rescale so the tensor's 2-norm is at most ``max_norm`` (more than 0; bl.zero_ablate() zeroes)."""
+    _args.number(max_norm, "max_norm", "bl.clip_norm", low=0.0, above=True, finite=True, example="1.0")
 
     def apply(value: torch.Tensor, ctx: EditContext) -> torch.Tensor:
         norm = value.detach().float().norm()
@@ -194,13 +200,14 @@ def keep_grad(edit: Any) -> KeepGrad:
     ``bl.keep_grad(bl.zero_ablate())`` ablates a value while the parameters upstream still train. Under
     differentiable replay the path ends at the frontier leaves, and it warns ``keep_grad_replay_frontier``.
     """
-    return KeepGrad(as_edit(edit))
+    return KeepGrad(as_edit(edit, "bl.keep_grad"))
 
 
-def as_edit(value: Any) -> Edit:
+def as_edit(value: Any, where: str = "bl.when") -> Edit:
     if isinstance(value, Edit):
         return value
     if callable(value):
+        _args.edit_callable(value, where)  # now, not when it first applies inside the user's backward
         name = getattr(value, "__name__", type(value).__name__)
         return Edit(f"{name}(...)", lambda v, ctx: value(v, ctx=ctx))
     raise UnsupportedInputError(

@@ -74,7 +74,7 @@ def validate(
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             cap = capture(model, *args, save_grads=True, **kwargs)
-            loss_fn(cap.output).backward()
+            _args.scalar_loss(loss_fn(cap.output), "bl.validate").backward()
         try:
             _compare_params(model, stock_params, result)
             if validate_layer_grads:
@@ -125,7 +125,7 @@ def _stock_run(model, args, kwargs, loss_fn, children, seed):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             output = model(*args, **kwargs)
-            loss_fn(output).backward()
+            _args.scalar_loss(loss_fn(output), "bl.validate").backward()
     finally:
         for handle in handles:
             handle.remove()

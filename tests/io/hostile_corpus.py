@@ -15,6 +15,7 @@ truncated under a memory map would kill it with SIGBUS).
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import os
 import shutil
@@ -27,6 +28,7 @@ import torch
 
 import backlens as bl
 from backlens.io import manifest as manifest_io
+from backlens.io.shards import ShardWriter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models import MLP, loss_of  # noqa: E402
@@ -141,6 +143,72 @@ def set_policy(m: dict, spec) -> None:
     m["passes"][0]["policy"] = [spec, "save_grads=x"]
 
 
+def reseal_repeating(path: Path, locate, key: str, first_value) -> None:
+    """Write the manifest with ``key`` twice in the object ``locate(body)`` finds: first holding
+    ``first_value``, then its real value. The checksum is over the last-key-wins reading, so it
+    matches; a reader keeping the first value would see something else."""
+    body = manifest_of(path)
+    body.pop("checksum")
+    body["checksum"] = manifest_io.checksum(body)
+    target = locate(body)
+    items = list(target.items())
+    target.clear()
+    target["@@repeated@@"] = first_value
+    target.update(items)
+    (path / "manifest.json").write_text(json.dumps(body).replace('"@@repeated@@"', json.dumps(key), 1))
+
+
+def forge(path: Path, m: dict, tensor: torch.Tensor) -> str:
+    """Add ``tensor`` to the bundle in a shard of its own (sound in itself) and return its name."""
+    writer = ShardWriter(path, "forged")
+    name = writer.add(tensor)
+    writer.flush()
+    m["tensors"]["files"].update(writer.files)
+    m["tensors"]["index"].update({key: entry.to_json() for key, entry in writer.index.items()})
+    return name
+
+
+def forge_empty(path: Path, m: dict, shape: list) -> str:
+    """A shard whose one tensor has no bytes and ``shape`` (an empty shape may still overflow)."""
+    header = json.dumps({"forged/1": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}}).encode()
+    header += b" " * (-len(header) % 8)
+    data = struct.pack("<Q", len(header)) + header
+    (path / "forged-00001.safetensors").write_bytes(data)
+    m["tensors"]["files"]["forged-00001.safetensors"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    m["tensors"]["index"]["forged/1"] = {"file": "forged-00001.safetensors", "dtype": "F32", "shape": shape,
+                                         "offsets": [0, 0], "sha256": hashlib.sha256(b"").hexdigest()}
+    return "forged/1"
+
+
+def node_calls(m: dict, node: int) -> list[dict]:
+    return [call for call in m["calls"] if call["node"] == node]
+
+
+def op_grad_call(m: dict) -> dict:
+    """A call that kept the gradient op 0 reads (through its gradient slot)."""
+    node = dict(m["grad_slots"]["ops"])[0]
+    return next(call for call in node_calls(m, node) if call["grad_outputs"] is not None)
+
+
+def rank_set_of_one(path: Path, world_size: int) -> None:
+    """Make ``path`` a directory of rank bundles holding rank 0 of a run of ``world_size``."""
+    inner = path.with_name(path.name + "-rank0")
+    shutil.move(path, inner)
+    path.mkdir()
+    shutil.move(inner, path / "rank0")
+    reseal(path / "rank0", lambda m: m["capture"].update(rank=0, world_size=world_size))
+
+
+def unending_string(path: Path) -> None:
+    """A string that never ends, of escaped quotes: a pattern that fails and retries at every
+    quote would take hours over it."""
+    (path / "manifest.json").write_bytes(b'{"format": "' + b'\\"' * 2_000_000)
+
+
+def unknown_fields(m: dict, count: int) -> None:
+    m["ops"][0].update({f"field{k}": k for k in range(count)})
+
+
 CASES = {
     # links and files that are not regular files
     "symlinked_manifest": lambda p, out: symlink_out(p, "manifest.json", out),
@@ -228,7 +296,65 @@ CASES = {
     "format_version_a_string": lambda p, out: reseal(p, lambda m: m.update(format_version="2")),
     "extra_section": lambda p, out: reseal(p, lambda m: m.update(plugins=["os"])),
     "version_field_not_a_string": lambda p, out: reseal(p, lambda m: m.update(torch_version={"a": [1]})),
+    # repeated keys (the checksum is over the last-key-wins reading: it matches)
+    "repeated_top_level_key": lambda p, out: reseal_repeating(p, lambda b: b, "format", "evil"),
+    "repeated_section": lambda p, out: reseal_repeating(p, lambda b: b, "ops", []),
+    "repeated_key_in_an_op": lambda p, out: reseal_repeating(p, lambda b: b["ops"][0], "label", "relu_1"),
+    "repeated_tensor_name_in_the_index": lambda p, out: reseal_repeating(
+        p, lambda b: b["tensors"]["index"], next(iter(b_index(p))), {**first_index(manifest_of(p)), "shape": [7]}),
+    "repeated_key_in_a_selector": lambda p, out: reseal_repeating(p, lambda b: b["passes"][1]["policy"][0], "kind",
+                                                                   "func"),
+    # tensors that disagree with their records
+    "param_grad_int64_for_a_float_param": lambda p, out: reseal(
+        p, lambda m: m["params"][0].update(grad=forge(p, m, torch.arange(3)))),
+    "param_grad_of_another_shape": lambda p, out: reseal(
+        p, lambda m: m["params"][0].update(grad=forge(p, m, torch.zeros(3)))),
+    "activation_of_the_wrong_shape": lambda p, out: reseal(
+        p, lambda m: m["ops"][1].update(activation=forge(p, m, torch.zeros(4, 3)))),
+    "activation_of_the_wrong_dtype": lambda p, out: reseal(
+        p, lambda m: m["ops"][1].update(activation=forge(p, m, torch.zeros(4, 16, dtype=torch.float64)))),
+    "op_gradient_of_the_wrong_shape": lambda p, out: reseal(
+        p, lambda m: op_grad_call(m).update(grad_outputs=[forge(p, m, torch.zeros(5))])),
+    "input_gradient_of_the_wrong_shape": lambda p, out: reseal(
+        p, lambda m: m["grad_slots"]["extra_input_grads"].append([0, forge(p, m, torch.zeros(2)), 1])),
+    "tensor_shape_overflowing_torch": lambda p, out: reseal(
+        p, lambda m: m["ops"][1].update(activation=forge_empty(p, m, [0, 2**62, 2**62]))),
+    "op_shape_overflowing_torch": lambda p, out: reseal(p, lambda m: m["ops"][1].update(shape=[0, 2**62, 2**62])),
+    # records that disagree with each other
+    "call_ending_before_it_starts": lambda p, out: reseal(
+        p, lambda m: m["calls"][0].update(end_ns=m["calls"][0]["start_ns"] - 1)),
+    "call_hooks_longer_than_the_call": lambda p, out: reseal(
+        p, lambda m: m["calls"][0].update(hook_ns=m["calls"][0]["end_ns"] - m["calls"][0]["start_ns"] + 1)),
+    "pass_ending_before_it_starts": lambda p, out: reseal(
+        p, lambda m: m["passes"][0].update(end_ns=m["passes"][0]["start_ns"] - 1)),
+    "repeated_op_label": lambda p, out: reseal(p, lambda m: m["ops"][2].update(label=m["ops"][1]["label"])),
+    "repeated_param_name": lambda p, out: reseal(p, lambda m: m["params"][1].update(name=m["params"][0]["name"])),
+    "repeated_node_label": lambda p, out: reseal(
+        p, lambda m: m["grad_fns"][1].update(label=m["grad_fns"][0]["label"])),
+    "repeated_module_call": lambda p, out: reseal(p, lambda m: m["modules"][3].update(address="net.0")),
+    "repeated_call_ordinal": lambda p, out: reseal(p, lambda m: node_calls(m, 15)[1].update(ordinal=1)),
+    "unknown_slot_param": lambda p, out: reseal(p, lambda m: m["grad_slots"]["params"][0].__setitem__(0, "no.such")),
+    "unknown_node_param": lambda p, out: reseal(p, lambda m: m["grad_fns"][8].update(param="no.such")),
+    "output_nr_beyond_the_outputs": lambda p, out: reseal(p, lambda m: m["ops"][0].update(output_nr=5)),
+    "forward_flops_cut_short": lambda p, out: reseal(p, lambda m: m["cost"]["forward"].update(op_flops=[1])),
+    "pass_flops_not_adding_up": lambda p, out: reseal(
+        p, lambda m: m["cost"]["passes"][0].update(executed_flops=m["cost"]["passes"][0]["executed_flops"] + 1000)),
+    "unattributed_flops_not_their_ops": lambda p, out: reseal(p, lambda m: m["cost"]["passes"][0].update(
+        unattributed_flops=7, executed_flops=m["cost"]["passes"][0]["executed_flops"] + 7)),
+    "two_costs_for_one_pass": lambda p, out: reseal(p, lambda m: m["cost"]["passes"].append(m["cost"]["passes"][0])),
+    "call_flops_in_an_uncounted_pass": lambda p, out: reseal(p, lambda m: m["cost"]["passes"][1].update(
+        counted=False, reason="x", executed_flops=None, unattributed_flops=None, recompute_known=False,
+        recompute_flops=None, attributed=False, aten_calls=None, aten_ops=None)),
+    # sizes bounded before anything is built in proportion to them
+    "world_size_2_to_the_62": lambda p, out: reseal(p, lambda m: m["capture"].update(rank=0, world_size=2**62)),
+    "rank_set_of_a_million_ranks": lambda p, out: rank_set_of_one(p, 10**6),
+    "string_that_never_ends": lambda p, out: unending_string(p),
+    "op_with_100000_unknown_fields": lambda p, out: reseal(p, lambda m: unknown_fields(m, 100_000)),
 }
+
+
+def b_index(path: Path) -> dict:
+    return manifest_of(path)["tensors"]["index"]
 
 
 def make_cases(workdir: Path) -> tuple[Path, dict[str, Path], Path]:

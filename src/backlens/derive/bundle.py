@@ -13,6 +13,7 @@ naming the file.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import re
 from pathlib import Path
@@ -28,6 +29,8 @@ from backlens.errors import BundleError
 from backlens.io.files import BundleDir, parse_json, read_exact
 
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+MAX_MANIFEST_MEMORY = 384 * 1024 * 1024  # what reading the manifest may take (io/files.parse_json)
+MAX_SHAPE_PRODUCT = 2**62  # sizes multiplying past this overflow numpy's and torch's 64-bit sizes
 _PARSE_WHOLE_BELOW = 1024 * 1024
 _OPENING = re.compile(rb'\A\s*\{\s*"format"\s*:\s*"backlens\.derived"\s*,\s*"kind"\s*:\s*"derived"')
 
@@ -73,7 +76,7 @@ def load(root: str | os.PathLike, *, verify: bool = True) -> DerivedGrads:
 def _read_manifest(directory: BundleDir) -> dict[str, Any]:
     path = directory.path(MANIFEST)
     manifest = parse_json(directory.read(MANIFEST, MAX_MANIFEST_BYTES, "derived bundle manifest"), path,
-                          "manifest")
+                          "manifest", max_memory=MAX_MANIFEST_MEMORY)
     fail = _Checker(path)
     fail.keys(manifest, "manifest", {"format", "kind", "format_version", "backlens_version", "created",
                                      "framework", "framework_version", "output", "leaf_grads",
@@ -106,12 +109,13 @@ def _read_manifest(directory: BundleDir) -> dict[str, Any]:
         fail.tensor_ref(leaf, f"leaf_grads[{i}]", {"name"})
         fail.string(leaf["name"], f"leaf_grads[{i}].name")
         if leaf["name"] in names:
-            fail.wrong(f"leaf_grads[{i}].name", f"repeats {leaf['name']!r}")
+            fail.wrong(f"leaf_grads[{i}].name", f"repeats {leaf['name'][:80]!r}")
         names.add(leaf["name"])
     inter = manifest["intermediates"]
     if inter is not None:
         fail.keys(inter, "intermediates", {"records", "withheld", "notes"})
         fail.list(inter["records"], "intermediates.records")
+        labels: set[str] = set()
         for i, record in enumerate(inter["records"]):
             where = f"intermediates.records[{i}]"
             fail.tensor_ref(record, where, {"label", "op", "output_index", "status"})
@@ -120,6 +124,9 @@ def _read_manifest(directory: BundleDir) -> dict[str, Any]:
             fail.integer(record["output_index"], f"{where}.output_index", minimum=0)
             if record["status"] != EXACT:
                 fail.wrong(f"{where}.status", f"must be {EXACT!r}")
+            if record["label"] in labels:
+                fail.wrong(f"{where}.label", f"repeats {record['label'][:80]!r}")
+            labels.add(record["label"])
         if not isinstance(inter["withheld"], dict):
             fail.wrong("intermediates.withheld", "must be an object")
         for reason, count in inter["withheld"].items():
@@ -140,14 +147,14 @@ class _Checker:
         self.path = path
 
     def wrong(self, field: str, what: str) -> None:
-        raise BundleError(f"{self.path}: field {field} {what}.", code="bundle_corrupt",
+        raise BundleError(f"{self.path}: field {field[:200]} {what[:400]}.", code="bundle_corrupt",
                           remedy="The bundle is damaged or was not written by backlens; save it again.")
 
     def keys(self, value: Any, field: str, expected: set[str]) -> None:
         if not isinstance(value, dict):
             self.wrong(field, "must be an object")
         if set(value) != expected:
-            missing, extra = sorted(expected - set(value)), sorted(set(value) - expected)
+            missing, extra = sorted(expected - set(value)), sorted(set(value) - expected)[:10]
             self.wrong(field, f"has the wrong keys (missing {missing}, unexpected {extra})")
 
     def string(self, value: Any, field: str) -> None:
@@ -175,6 +182,8 @@ class _Checker:
         self.list(value["shape"], f"{field}.shape")
         for n in value["shape"]:
             self.integer(n, f"{field}.shape", minimum=0)
+        if len(value["shape"]) > 64 or math.prod(max(n, 1) for n in value["shape"]) > MAX_SHAPE_PRODUCT:
+            self.wrong(f"{field}.shape", "has more than 64 sizes or sizes that multiply past 2**62")
 
 
 def _read_tensors(directory: BundleDir, info: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -198,8 +207,8 @@ def _build(manifest: dict[str, Any], arrays: dict[str, np.ndarray], path: Path) 
     inter = manifest["intermediates"]
     refs = [manifest["output"], *manifest["leaf_grads"], *((inter or {}).get("records", []))]
     if set(arrays) != {ref["tensor"] for ref in refs}:
-        raise BundleError(f"{path.parent / TENSORS}: holds arrays {sorted(arrays)}, not the ones the manifest "
-                          "lists.", code="bundle_corrupt", remedy="The bundle is damaged; save it again.")
+        raise BundleError(f"{path.parent / TENSORS}: holds arrays {sorted(arrays)[:10]}, not the ones the "
+                          "manifest lists.", code="bundle_corrupt", remedy="The bundle is damaged; save it again.")
 
     def array(ref: dict[str, Any]) -> np.ndarray:
         value = arrays[ref["tensor"]]

@@ -106,14 +106,16 @@ def _check_ranks(path: Path, captures: list[Any]) -> int:
     by_rank: dict[int, list[Any]] = {}
     for cap in captures:
         by_rank.setdefault(cap.rank, []).append(cap)
-    repeated = {rank: [str(c.path.name) for c in caps] for rank, caps in by_rank.items() if len(caps) > 1}
+    repeated = dict(list({rank: [str(c.path.name) for c in caps[:3]] for rank, caps in by_rank.items()
+                          if len(caps) > 1}.items())[:10])
     if repeated:
         raise BundleError(f"{path}: several bundles claim the same rank ({repeated}).",
                           code="bundle_ranks_mismatch", remedy="Keep one run's rank bundles per directory.")
-    missing = [rank for rank in range(world_size) if rank not in by_rank]
-    if missing:
+    if len(by_rank) < world_size:  # ranks are below world_size (the schema's check): some are missing
+        missing = [rank for rank in range(min(world_size, len(by_rank) + 10)) if rank not in by_rank][:10]
+        more = " and more" if world_size - len(by_rank) > len(missing) else ""
         raise BundleError(f"{path}: holds {len(captures)} of the run's {world_size} ranks; missing rank(s) "
-                          f"{missing}.", code="bundle_ranks_missing",
+                          f"{missing}{more}.", code="bundle_ranks_missing",
                           remedy="Save every rank's capture (bl.to_disk('run/rank{rank}') on each rank).")
     return world_size
 

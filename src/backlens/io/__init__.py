@@ -10,4 +10,9 @@
   nothing outside it opened, sizes and JSON depth bounded).
 * ``replace``: putting a finished bundle in place atomically, recovering an
   interrupted replacement, removing what interrupted saves left.
+* ``markers``: telling a bundle, an unfinished stream and a save's leftovers
+  from what backlens did not write (nothing else is ever replaced or removed).
+* ``locks``: the lock a streaming capture holds on its directory.
+* ``consistency``: a loaded state's records checked against each other and
+  against their tensors.
 """

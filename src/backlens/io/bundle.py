@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import threading
 import weakref
 from dataclasses import dataclass
@@ -43,8 +44,10 @@ from backlens.capture.state import CaptureState
 from backlens.capture.store import MemoryStore
 from backlens.errors import BundleError
 from backlens.io import manifest as manifest_io
+from backlens.io.consistency import check_state
 from backlens.io.disk_store import DiskStore, check_target
 from backlens.io.files import BundleDir, damaged
+from backlens.io.locks import is_streaming
 from backlens.io.names import MANIFEST, STREAM_MARKER
 from backlens.io.replace import recover, write_whole
 from backlens.io.schema import decode_state, read_tensor_section
@@ -98,7 +101,14 @@ def save_state(state: CaptureState, path: str | os.PathLike | None = None, *, ov
 
 
 def _same_path(a: Any, b: Path) -> bool:
-    return os.path.abspath(os.fspath(a)) == os.path.abspath(os.fspath(b))
+    """Whether ``a`` and ``b`` name one directory, however spelled (``//data/b``, ``data/../data/b``,
+    a path through a linked parent): the same device and inode, or the same resolved path while
+    either is missing."""
+    try:
+        first, second = os.stat(a), os.stat(b)
+    except OSError:
+        return os.path.realpath(os.fspath(a)) == os.path.realpath(os.fspath(b))
+    return (first.st_dev, first.st_ino) == (second.st_dev, second.st_ino)
 
 
 def _bytes_to_write(state: CaptureState) -> int:
@@ -191,10 +201,17 @@ def read_bundle(path: str | os.PathLike, *, verify: bool = True) -> tuple[Captur
     manifest_path = directory.path(MANIFEST)
     if not directory.exists(MANIFEST):
         if directory.exists(STREAM_MARKER):
+            if is_streaming(root):
+                raise BundleError(
+                    f"{manifest_path}: missing: this is an unfinished bl.to_disk directory.",
+                    code="bundle_unfinished",
+                    remedy="Call cap.save() or cap.close() on the capture that streams here.",
+                )
             raise BundleError(
-                f"{manifest_path}: missing: this is an unfinished bl.to_disk directory.",
+                f"{manifest_path}: missing: this is an unfinished bl.to_disk directory whose capture is gone "
+                "(its process ended before cap.save() or cap.close() wrote the manifest).",
                 code="bundle_unfinished",
-                remedy="Call cap.save() or cap.close() on the capture that streams here.",
+                remedy="Capture again; a save to this path with overwrite=True replaces what is left here.",
             )
         raise BundleError(f"{manifest_path}: missing: {root} is not a backlens bundle.",
                           code="bundle_not_a_bundle",
@@ -207,12 +224,36 @@ def read_bundle(path: str | os.PathLike, *, verify: bool = True) -> tuple[Captur
     tensors = BundleTensors(directory, entries, _check_shards(directory, files, entries, verify))
     try:
         state = decode_state(manifest, _Sections(manifest, tensors), tensors)
+        check_state(state, entries)
     except ValueError as exc:
         if isinstance(exc, BundleError):
             raise
         raise damaged(f"{manifest_path}: {exc}.") from None
     info = BundleInfo(root, manifest["format_version"], manifest["backlens_version"], manifest["torch_version"])
+    _remove_unreferenced(root, set(files))
     return state, info
+
+
+# What a bl.to_disk capture writes beside its manifest, and leaves unreferenced when its process dies
+# after a save while it streams on.
+_STREAM_FILES = re.compile(r"\A(?:(?:grads|extra[0-9]+)-[0-9]{5,}\.safetensors|manifest\.json\.tmp|\.backlens-lock)\Z")
+
+
+def _remove_unreferenced(root: Path, referenced: set[str]) -> None:
+    """Remove the files a killed stream left beside its last manifest (shards it wrote after it).
+
+    Only a directory no live capture streams into, only regular files named as a stream names
+    them and not in the manifest; best effort (a read-only bundle keeps them, unharmed)."""
+    if is_streaming(root):
+        return
+    try:
+        with os.scandir(root) as entries:
+            stale = [entry.name for entry in entries if _STREAM_FILES.match(entry.name)
+                     and entry.name not in referenced and entry.is_file(follow_symlinks=False)]
+        for name in stale:
+            os.unlink(root / name)
+    except OSError:
+        pass
 
 
 def _check_shards(directory: BundleDir, files: dict[str, dict[str, Any]], entries: dict[str, TensorEntry],

@@ -7,15 +7,16 @@ many gradients a capture saves. Records read them back lazily: a loaded
 tensor is memory-mapped from its shard and costs nothing until read.
 
 The directory becomes a loadable bundle when the capture writes its manifest:
-``cap.save()`` (no path, or the same path) and ``cap.close()`` (also on leaving
-``with bl.capture(...)``) do. Until then it holds shards and no
-``manifest.json``, which ``bl.load`` refuses. Saved activations stay in memory
-during the capture and are written with the manifest.
+``cap.save()`` (no path, or the same directory under any spelling) and
+``cap.close()`` (also on leaving ``with bl.capture(...)``) do. Until then it
+holds shards and no ``manifest.json``, which ``bl.load`` refuses. Saved
+activations stay in memory during the capture and are written with the
+manifest. The directory is locked while the capture streams (io/locks.py): a
+second writer there is refused.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,9 @@ from backlens._warn import warn
 from backlens.capture.store import MemoryStore
 from backlens.errors import BundleError, UnsupportedInputError
 from backlens.io import manifest as manifest_io
-from backlens.io.names import EXTRA_SHARDS, MANIFEST, STREAM_MARKER
+from backlens.io.locks import StreamLock, refuse_if_streaming
+from backlens.io.markers import STREAM_MARKER_TEXT, is_bundle_dir
+from backlens.io.names import EXTRA_SHARDS, STREAM_LOCK, STREAM_MARKER
 from backlens.io.replace import Staging, clean_leftovers, put_in_place, recover, remove_old
 from backlens.io.shards import DEFAULT_SHARD_BYTES, ShardReader, ShardWriter, storable
 
@@ -84,14 +87,15 @@ def check_target(path: Path, overwrite: bool) -> bool:
     """Whether writing a bundle at ``path`` replaces a bundle there.
 
     Raises BundleError when ``path`` is a file or a link, a non-empty directory
-    without ``overwrite``, or a directory that is not a bundle (never replaced).
+    without ``overwrite``, a directory that is not a bundle (never replaced), or
+    one a ``bl.to_disk`` capture is streaming into.
     """
     if not os.path.lexists(path):
         return False
     if path.is_symlink() or not path.is_dir():
         raise BundleError(f"{path}: exists and is not a directory; a bundle is a directory.",
                           code="bundle_not_a_directory", remedy="Choose a path that does not exist yet.")
-    if not any(path.iterdir()):
+    if _is_empty(path):
         return False  # an empty directory is as good as none
     if not overwrite:
         raise BundleError(f"{path}: already exists and is not empty.", code="bundle_exists",
@@ -100,22 +104,13 @@ def check_target(path: Path, overwrite: bool) -> bool:
         raise BundleError(f"{path}: exists and is not a backlens bundle; refusing to replace it.",
                           code="bundle_not_a_bundle",
                           remedy="Choose a new path; overwrite=True only replaces bundles.")
+    refuse_if_streaming(path)
     return True
 
 
-def is_bundle_dir(path: Path) -> bool:
-    """Whether ``path`` holds a backlens bundle or an unfinished ``to_disk`` stream."""
-    marker, manifest = path / STREAM_MARKER, path / MANIFEST
-    if marker.is_file() and not marker.is_symlink():
-        return True
-    if manifest.is_symlink():
-        return False
-    try:
-        with open(manifest, "rb") as handle:
-            head = handle.read(4096)
-    except OSError:
-        return False
-    return b'"backlens.' in head
+def _is_empty(path: Path, but: tuple[str, ...] = ()) -> bool:
+    with os.scandir(path) as entries:
+        return all(entry.name in but for entry in entries)
 
 
 def _write_failed(path: Path, exc: OSError) -> BundleError:
@@ -149,6 +144,7 @@ class DiskStore:
         self.failure: BaseException | None = None
         self.finished_manifests = 0
         self._created: set[str] = set()  # shard files this store wrote since its last manifest
+        self.lock: StreamLock | None = None
         recover(self.path)
         replacing = check_target(self.path, spec.overwrite)
         try:
@@ -160,11 +156,19 @@ class DiskStore:
             else:
                 self.path.mkdir(exist_ok=True)
                 directory = self.path
-            marker = directory / STREAM_MARKER
-            marker.write_text(json.dumps({"format": "backlens.bundle-stream"}))
-        except OSError as exc:
+            self.lock = StreamLock(directory)
+            if not replacing and not _is_empty(directory, but=(STREAM_LOCK,)):
+                # Another writer filled it between the check and the lock.
+                raise BundleError(f"{self.path}: already exists and is not empty.", code="bundle_exists",
+                                  remedy="Choose a new path, or pass overwrite=True to replace the bundle there.")
+            (directory / STREAM_MARKER).write_text(STREAM_MARKER_TEXT)
+        except BaseException as exc:
+            if self.lock is not None:
+                self.lock.release()
             if self.staging is not None:
                 self.staging.discard()
+            if not isinstance(exc, OSError):
+                raise
             raise BundleError(f"{self.path}: cannot create the bundle directory ({exc.strerror or exc}).",
                               code="bundle_write_failed", remedy="Choose a writable location.") from exc
         self.writer = ShardWriter(directory, "grads", spec.shard_bytes)
@@ -256,6 +260,8 @@ class DiskStore:
             if self.staging is not None:
                 replaced = put_in_place(self.staging, self.path, overwrite=True)
                 self.staging = None
+                if self.lock is not None:
+                    self.lock.moved_to(self.path)
                 self.writer.directory = self.path
                 self.reader = ShardReader(self.path, self.writer.data_starts)
         except OSError as exc:
@@ -271,9 +277,14 @@ class DiskStore:
         remove_old(replaced, self.path)
 
     def close(self) -> None:
-        """Flush; after a storage failure, remove what cannot become a bundle (it only takes space)."""
-        self.flush()
-        self.reader.close()
+        """Flush and let go of the directory; after a storage failure, remove what cannot become a
+        bundle (it only takes space)."""
+        try:
+            self.flush()
+            self.reader.close()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
         if self.failure is None:
             return
         if self.staging is not None:

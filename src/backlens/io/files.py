@@ -8,8 +8,11 @@ saw). Sizes are bounded before anything is read, and reads are exact: a file
 that is shorter than it should be is a :class:`BundleError`, never a crash.
 The directory itself must be a real directory, not a link to one.
 
-JSON is parsed only after its nesting depth is checked on the raw bytes
-(:func:`parse_json`), so no file can drive the parser into deep recursion.
+JSON is parsed only after its nesting depth and the memory its objects would
+take are estimated from the raw bytes (:func:`parse_json`), so no file can
+drive the parser into deep recursion or build gigabytes of small objects from
+a file of megabytes; an object that repeats a key is refused (a reader keeping
+the last value would see what a checksum over the first did not).
 """
 
 from __future__ import annotations
@@ -29,12 +32,22 @@ from backlens.errors import BundleError
 MAX_JSON_DEPTH = 64
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 _PLAIN_NAME = re.compile(r"\A[A-Za-z0-9_][A-Za-z0-9_.+-]*\Z")
-# A JSON string: quotes around anything but quotes and backslashes, or escapes.
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_SCAN_CHUNK = 1 << 19  # bytes of JSON scanned at a time (bounds the scan's own temporaries)
+# What parsed JSON costs in memory, per element (CPython, 64-bit; a little above the real sizes).
+_OBJECT_BYTES, _ARRAY_BYTES, _MEMBER_BYTES, _ITEM_BYTES, _STRING_BYTES = 64, 56, 40, 32, 56
+MAX_JSON_MEMORY = 256 << 20  # the default bound on what reading one small JSON file (a header) may take
+# And in proportion to its size: what backlens writes costs 5 to 9 times its bytes once read; a file
+# of tiny objects, 30 times and more. (Small files may cost more: a floor.)
+MAX_JSON_RATIO, JSON_RATIO_FLOOR = 16, 64 << 20
 _DAMAGED = "The bundle is damaged or was not written by backlens; save it again."
 
 
+MAX_MESSAGE = 2000  # characters of an error message about a bundle (a hostile one can name a lot)
+
+
 def damaged(message: str, code: str = "bundle_corrupt") -> BundleError:
+    if len(message) > MAX_MESSAGE:
+        message = message[:MAX_MESSAGE - 20] + " ... (cut short)"
     return BundleError(message, code=code, remedy=_DAMAGED)
 
 
@@ -153,27 +166,93 @@ def read_exact(descriptor: int, length: int, offset: int, path: Path, into: Any 
     return buffer
 
 
+class JsonShape:
+    """What the JSON text ``raw`` holds, counted on its bytes without parsing it: its nesting
+    ``depth`` and about how much ``memory`` reading it takes (the bytes, their text, the objects).
+
+    One pass over fixed-size chunks, in linear time and with memory of the chunk's size whatever
+    the bytes. In each chunk escapes are blanked first, left to right as JSON reads them (an
+    escaped backslash, then an escaped quote; an escape cut by the chunk's end is finished in the
+    next), so every quote left delimits a string, and what lies between an odd quote and the next
+    is string content (its brackets are text). Outside strings a backslash is not JSON at all: the
+    parser stops there, so what the count makes of the rest does not matter.
+    """
+
+    def __init__(self, raw: bytes | bytearray):
+        self.depth = 0
+        counts = dict.fromkeys(b"{[:,", 0)
+        quotes = content = level = 0
+        inside = escaped = False
+        view = memoryview(raw)
+        for start in range(0, len(raw), _SCAN_CHUNK):
+            data = bytearray(view[start:start + _SCAN_CHUNK])
+            if escaped:
+                data[0] = ord("_")  # the character an escape cut at the chunk's end applies to
+            if b"\\" in data:
+                data = data.replace(b"\\\\", b"__").replace(b'\\"', b"__")
+            escaped = data.endswith(b"\\")
+            codes = np.frombuffer(data, dtype=np.uint8)
+            quote = codes == ord('"')
+            # Inside a string: after an odd number of quotes (the opening quote in, the closing out).
+            within = (np.cumsum(quote, dtype=np.uint8) + inside) & 1 == 1  # uint8 wraps: parity kept
+            inside = bool(within[-1])
+            outside = ~within
+            quotes += int(np.count_nonzero(quote))
+            content += int(np.count_nonzero(within & ~quote))
+            for code in counts:
+                counts[code] += int(np.count_nonzero((codes == code) & outside))
+            opening = ((codes == ord("[")) | (codes == ord("{"))) & outside
+            closing = ((codes == ord("]")) | (codes == ord("}"))) & outside
+            levels = np.cumsum(opening.view(np.int8) - closing.view(np.int8), dtype=np.int32) + level
+            self.depth = max(self.depth, int(levels.max()))
+            level = int(levels[-1])
+        del view
+        strings = (quotes + 1) // 2
+        members = counts[ord(":")]  # one key each (keys are shared between objects: not counted)
+        self.memory = (2 * len(raw) + content + _OBJECT_BYTES * counts[ord("{")] + _ARRAY_BYTES * counts[ord("[")]
+                       + _MEMBER_BYTES * members + _ITEM_BYTES * counts[ord(",")]
+                       + _STRING_BYTES * max(strings - members, 0))
+
+
 def json_depth(raw: bytes) -> int:
     """The deepest nesting of arrays and objects in the JSON text ``raw`` (strings skipped)."""
-    outside = _JSON_STRING.sub(b'""', raw)
-    codes = np.frombuffer(outside, dtype=np.uint8)
-    opening = (codes == ord("[")) | (codes == ord("{"))
-    closing = (codes == ord("]")) | (codes == ord("}"))
-    steps = opening.astype(np.int8)[opening | closing] - closing.astype(np.int8)[opening | closing]
-    if not steps.size:
-        return 0
-    return int(np.cumsum(steps, dtype=np.int64).max())
+    return JsonShape(raw).depth
 
 
-def parse_json(raw: bytes, path: Path, what: str, max_depth: int = MAX_JSON_DEPTH) -> Any:
-    """Parse untrusted JSON: the depth is checked before the parser runs; any failure is a BundleError."""
+class _RepeatedKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    found = dict(pairs)
+    if len(found) != len(pairs):
+        seen: set[str] = set()
+        for key, _value in pairs:
+            if key in seen:
+                raise _RepeatedKey(f"the key {key[:80]!r} appears twice in one object")
+            seen.add(key)
+    return found
+
+
+def parse_json(raw: bytes, path: Path, what: str, max_depth: int = MAX_JSON_DEPTH,
+               max_memory: int = MAX_JSON_MEMORY) -> Any:
+    """Parse untrusted JSON: depth and memory (at most ``max_memory``, and ``MAX_JSON_RATIO`` times
+    the size above a floor) are checked before the parser runs, a repeated key in an object is
+    refused; any failure is a BundleError."""
     try:
-        depth = json_depth(raw)
+        shape = JsonShape(raw)
     except (ValueError, MemoryError) as exc:
         raise damaged(f"{path}: malformed JSON in the {what} ({exc}).") from exc
-    if depth > max_depth:
-        raise damaged(f"{path}: malformed JSON in the {what}: nested {depth} deep (at most {max_depth}).")
+    if shape.depth > max_depth:
+        raise damaged(f"{path}: malformed JSON in the {what}: nested {shape.depth} deep (at most {max_depth}).")
+    bound = min(max_memory, MAX_JSON_RATIO * len(raw) + JSON_RATIO_FLOOR)
+    if shape.memory > bound:
+        raise damaged(f"{path}: the {what} would take about {shape.memory >> 20} MiB of memory to read "
+                      f"(at most {bound >> 20} MiB for {len(raw) >> 10} KiB): it holds far more elements "
+                      f"than a backlens {what} of its size.", code="bundle_too_large")
     try:
-        return json.loads(raw.decode("utf-8"))
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except _RepeatedKey as exc:
+        raise damaged(f"{path}: malformed JSON in the {what}: {exc}.", code="bundle_duplicate_key") from None
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise damaged(f"{path}: malformed JSON in the {what} ({type(exc).__name__}: {str(exc)[:200]}).") from exc

@@ -46,6 +46,11 @@ from backlens.io.shards import ShardWriter
 FORMAT = "backlens.bundle"
 FORMAT_VERSION = 2
 MAX_MANIFEST_BYTES = 256 << 20  # a bound on what a manifest may cost before it is checked
+# A bound on the memory reading a manifest may take (its bytes, their text and the parsed objects,
+# estimated from the bytes before parsing; io/files.parse_json also bounds it at 16 times the size):
+# a manifest backlens writes costs 5 to 7 times its size (under 2 GiB at the size bound); a file of
+# tiny objects would cost 30 times.
+MAX_MANIFEST_MEMORY = 2 << 30
 HEADER = ("format", "format_version", "backlens_version", "torch_version", "created")
 
 # Upgrades from an older format version to the next one: version -> fn(manifest) -> manifest.
@@ -113,11 +118,12 @@ def write(directory: Path, body: dict[str, Any]) -> None:
 def read(directory: BundleDir) -> dict[str, Any]:
     """Read, parse, check and migrate a bundle directory's manifest.json; BundleError on any problem.
 
-    The file is refused before it is read when larger than ``MAX_MANIFEST_BYTES``.
+    The file is refused before it is read when larger than ``MAX_MANIFEST_BYTES``, and before it is
+    parsed when parsing it would take more than ``MAX_MANIFEST_MEMORY``.
     """
     path = directory.path(MANIFEST)
     raw = directory.read(MANIFEST, MAX_MANIFEST_BYTES, "bundle manifest")
-    manifest = parse_json(raw, path, "manifest")
+    manifest = parse_json(raw, path, "manifest", max_memory=MAX_MANIFEST_MEMORY)
     del raw
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise BundleError(f"{path}: not a backlens bundle manifest (no \"format\": \"{FORMAT}\").",

@@ -6,6 +6,7 @@ from pathlib import Path
 
 MANIFEST = "manifest.json"
 STREAM_MARKER = ".backlens-stream"  # in a bl.to_disk directory until its manifest is written
+STREAM_LOCK = ".backlens-lock"  # locked by the bl.to_disk capture streaming into its directory (io/locks.py)
 EXTRA_SHARDS = "extra*-*.safetensors"  # what a to_disk capture's manifest adds beside its gradients
 
 

@@ -17,8 +17,13 @@ written. When it is finished:
 Whatever moment the process dies, the path holds the old or the new bundle
 (or, in the fallback, the old one aside, restored on the next load or save).
 Leftovers of interrupted saves (staging directories, old bundles) are removed
-by the next save to the same path (:func:`clean_leftovers`); a directory
-another live process holds locked is left alone.
+by the next save to the same path (:func:`clean_leftovers`) when they are
+provably backlens's (io/markers.py); a directory another live process holds
+locked is left alone.
+
+A directory a ``bl.to_disk`` capture streams into is locked for as long as it
+streams (io/locks.py), and is never replaced meanwhile: a second writer, in
+this process or another, is refused with ``bundle_locked``.
 """
 
 from __future__ import annotations
@@ -37,7 +42,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from backlens.errors import BundleError
-from backlens.io.names import MANIFEST, STREAM_MARKER, sibling
+from backlens.io.locks import refuse_if_streaming
+from backlens.io.markers import holds_manifest, holds_stream_marker, is_bundle_dir, is_own_leftover
+from backlens.io.names import sibling
 
 try:
     import fcntl
@@ -140,7 +147,10 @@ def _is_empty_directory(path: Path) -> bool:
         info = os.lstat(path)
     except FileNotFoundError:
         return False
-    return stat.S_ISDIR(info.st_mode) and not any(os.scandir(path))
+    if not stat.S_ISDIR(info.st_mode):
+        return False
+    with os.scandir(path) as entries:
+        return not any(entries)
 
 
 def put_in_place(staging: Staging, target: Path, overwrite: bool) -> Path | None:
@@ -162,6 +172,10 @@ def put_in_place(staging: Staging, target: Path, overwrite: bool) -> Path | None
     if not overwrite:  # it appeared while the bundle was being written
         raise BundleError(f"{target}: already exists.", code="bundle_exists",
                           remedy="Choose a new path, or pass overwrite=True.")
+    if not is_bundle_dir(target):  # checked when the save began; what is there now is what goes
+        raise BundleError(f"{target}: exists and is not a backlens bundle; refusing to replace it.",
+                          code="bundle_not_a_bundle", remedy="Choose a new path; overwrite=True only replaces bundles.")
+    refuse_if_streaming(target)  # never swap a directory out from under a capture streaming into it
     if exchange(staging.path, target):
         staging.release()
         return staging.path
@@ -240,8 +254,7 @@ def _siblings(target: Path, role: str) -> list[Path]:
 
 
 def _holds_a_bundle(path: Path) -> bool:
-    return os.path.isfile(path / MANIFEST) and not os.path.islink(path / MANIFEST) \
-        and not os.path.lexists(path / STREAM_MARKER)
+    return holds_manifest(path) and not holds_stream_marker(path)
 
 
 def recover(target: Path) -> bool:
@@ -272,7 +285,7 @@ def clean_leftovers(target: Path) -> None:
     recover(target)
     for role in ("partial", "old"):
         for leftover in _siblings(target, role):
-            if os.path.islink(leftover) or not os.path.isdir(leftover):
+            if os.path.islink(leftover) or not os.path.isdir(leftover) or not is_own_leftover(leftover, target):
                 continue
             held = _lock(leftover, wait=False)
             if held is None:

@@ -183,7 +183,19 @@ def _read_fraction(value: Any, ctx: Any) -> float:
 FLOAT = Kind(_write_float, _read_float)
 FRACTION = Kind(_write_float, _read_fraction)
 MAX_DIMS = 64
-SHAPE = Kind(lambda v, refs: list(v), lambda v, ctx: tuple(list_of(NAT, MAX_DIMS).read(v, ctx)))
+# A shape whose sizes multiply past this (zeros counted as ones: torch's strides are products of the
+# later sizes even in an empty tensor) overflows torch's 64-bit sizes and strides.
+MAX_SHAPE_PRODUCT = 2**62
+
+
+def _read_shape(value: Any, ctx: Any) -> tuple[int, ...]:
+    shape = tuple(list_of(NAT, MAX_DIMS).read(value, ctx))
+    _expect(math.prod(max(size, 1) for size in shape) <= MAX_SHAPE_PRODUCT,
+            "a shape whose sizes multiply to at most 2**62", value)
+    return shape
+
+
+SHAPE = Kind(lambda v, refs: list(v), _read_shape)
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
@@ -270,7 +282,7 @@ class Schema:
     def read(self, data: Any, ctx: Any, position: int = 0) -> Any:
         _expect(isinstance(data, dict), "an object", data)
         if data.keys() != self.fields.keys():
-            unknown, missing = sorted(set(data) - set(self.fields)), sorted(set(self.fields) - set(data))
+            unknown, missing = sorted(set(data) - set(self.fields))[:10], sorted(set(self.fields) - set(data))
             raise ValueError(f"fields differ from the format's (unknown: {unknown}, missing: {missing})")
         fields = {}
         for name, kind in self.fields.items():
@@ -380,8 +392,18 @@ PASS = Schema({"number": POSITIVE, "trigger": STR, "call_site": optional(CALL_SI
 COLLECTIVE = Schema({"pass_number": number("passes"), "kind": one_of(*COLLECTIVE_KINDS), "bytes": NAT,
                      "start_ns": NAT, "end_ns": optional(NAT), "params": list_of(STR), "modules": list_of(STR)},
                     _collective_entry)
+# More ranks than any run has had: a bound checked before anything is built per rank.
+MAX_WORLD_SIZE = 1 << 20
+
+
+def _world_size(value: Any, _ctx: Any) -> int:
+    _expect(type(value) is int and 1 <= value <= MAX_WORLD_SIZE, f"a world size from 1 to {MAX_WORLD_SIZE}", value)
+    return value
+
+
 CAPTURE = Schema({"inference_only": BOOL, "backward_requested": BOOL, "flops_enabled": BOOL,
-                  "inference_cause": optional(STR), "rank": optional(NAT), "world_size": optional(POSITIVE)},
+                  "inference_cause": optional(STR), "rank": optional(NAT),
+                  "world_size": optional(Kind(_plain, _world_size))},
                  _capture_flags)
 SOURCES = Schema({"kinds": list_of(one_of(*SOURCE_KINDS)), "names": list_of(STR)},
                  lambda _at, **f: f,

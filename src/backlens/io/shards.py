@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from backlens.errors import BundleError
-from backlens.io.files import BundleDir, damaged, parse_json, read_exact
+from backlens.io.files import MAX_JSON_MEMORY, BundleDir, damaged, parse_json, read_exact
 from backlens.io.names import shard_file
 
 DTYPES: dict[str, torch.dtype] = {
@@ -276,7 +276,9 @@ def read_header(descriptor: int, path: Path, limit: int = _HEADER_LIMIT) -> tupl
     if size > min(limit, size_of_file - 8):
         raise damaged(f"{path}: corrupt tensor shard (header length {size}; its tensors need at most "
                       f"{min(limit, size_of_file - 8)}).")
-    header = parse_json(read_exact(descriptor, size, 8, path), path, "tensor shard header", max_depth=4)
+    # A header backlens writes costs about 7 times its size once parsed; its size is bounded above.
+    header = parse_json(read_exact(descriptor, size, 8, path), path, "tensor shard header", max_depth=4,
+                        max_memory=max(MAX_JSON_MEMORY, 16 * size))
     if not isinstance(header, dict):
         raise damaged(f"{path}: corrupt tensor shard header (not an object).")
     return header, size

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from backlens import _torch
+from backlens import _args, _torch
 from backlens.errors import (
     BacklensError,
     BacklensWarning,
@@ -211,6 +211,7 @@ class BackwardBlock(WithBody):
     def _make(cls, tensor: torch.Tensor, args: tuple[Any, ...], source: BlockSource | TraceError, frame: types.FrameType) -> Any:
         """The block, or one that refuses at once (no graph to run in, a body that cannot run)."""
         try:
+            _args.backward_options("loss.backward", *args)  # gradient, retain_graph, create_graph, inputs
             if isinstance(source, TraceError):
                 raise source
             if tensor.grad_fn is None and not tensor.requires_grad:

@@ -20,9 +20,9 @@ from typing import Any
 
 from torch import nn
 
-from backlens import _torch
+from backlens import _args, _torch
 from backlens.derive.frameworks import refuse_other_framework
-from backlens.errors import TraceError, UnsupportedInputError
+from backlens.errors import BacklensError, TraceError, UnsupportedInputError
 from backlens.live.batching import Batcher, ConcatBatcher
 from backlens.live.context import current_block
 from backlens.live.mediator import Event
@@ -63,7 +63,7 @@ class Lens:
         every backward in the trace and frees it when the trace exits.
         """
         tracer = Tracer(self, args, kwargs, keep_graph=keep_graph)
-        error: TraceError | None = None
+        error: BacklensError | None = _args.problem(_args.flag, keep_graph, "keep_graph", "lens.trace")
         if self._lens_address:
             error = TraceError(
                 f"trace() was called on the lens of {self._lens_spelled}; a trace runs the whole "
@@ -259,6 +259,8 @@ def wrap(model: nn.Module, batcher: Batcher | None = None) -> Lens:
             code="not_a_module",
             remedy="Pass the model (an nn.Module) itself.",
         )
+    if batcher is not None:
+        _args.batcher(batcher, "bl.wrap")
     model = original_module(model)
     return Lens(model, _Root(model, batcher if batcher is not None else ConcatBatcher()))
 

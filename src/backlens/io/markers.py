@@ -1,0 +1,93 @@
+"""Telling what backlens wrote from what it did not, before a save replaces or removes anything.
+
+A save replaces only a directory that provably is a backlens bundle, or
+backlens's own unfinished work:
+
+* a bundle: its ``manifest.json`` is a regular file whose top-level object's
+  ``"format"`` is a backlens bundle format (parsed, not searched for a
+  substring: ``{"plugins": ["backlens.report"]}`` is not one);
+* an unfinished ``bl.to_disk`` stream: its ``.backlens-stream`` marker is a
+  regular file holding exactly what the stream writes there;
+* what an interrupted save left beside a path (``.NAME.partial-TOKEN``,
+  ``.NAME.old-TOKEN``): named as backlens names them and holding only files
+  backlens writes (or a bundle).
+
+Every file is looked at through :class:`~backlens.io.files.BundleDir`: never
+through a link, and never opened unless it is a regular file, so a FIFO named
+``manifest.json`` cannot block a save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+from backlens.errors import BundleError
+from backlens.io.files import BundleDir, parse_json, read_exact
+from backlens.io.names import MANIFEST, STREAM_MARKER
+
+STREAM_MARKER_TEXT = json.dumps({"format": "backlens.bundle-stream"})
+BUNDLE_FORMATS = ("backlens.bundle", "backlens.derived")
+_PARSE_WHOLE_BELOW = 1 << 20
+# How backlens writes a manifest (json.dump of a dict whose first key is "format"): a manifest too
+# large to parse here is recognised by this opening.
+_OPENING = re.compile(rb'\A\s*\{\s*"format"\s*:\s*"(backlens\.(?:bundle|derived))"\s*,')
+# The files a save or a stream writes into a bundle directory.
+_OWN_FILES = re.compile(r"\A(?:manifest\.json(?:\.tmp)?|\.backlens-stream|\.backlens-lock|tensors\.safetensors"
+                        r"|[a-z]+[0-9]*-[0-9]{5,}\.safetensors)\Z")
+_LEFTOVER = re.compile(r"\A\.(?P<name>.+)\.(?:partial|old)-[0-9a-f]{12}\Z")
+
+
+def holds_manifest(path: Path) -> bool:
+    """Whether ``path`` is a directory whose ``manifest.json`` is a backlens bundle manifest."""
+    try:
+        directory = BundleDir(path)
+        info = directory.lstat(MANIFEST)
+        if info is None:
+            return False
+        descriptor = directory.open(MANIFEST)
+        try:
+            head = read_exact(descriptor, min(info.st_size, _PARSE_WHOLE_BELOW), 0, directory.path(MANIFEST))
+        finally:
+            os.close(descriptor)
+        if info.st_size > _PARSE_WHOLE_BELOW:
+            return _OPENING.match(head) is not None
+        manifest = parse_json(bytes(head), directory.path(MANIFEST), "manifest")
+    except BundleError:
+        return False
+    return isinstance(manifest, dict) and manifest.get("format") in BUNDLE_FORMATS
+
+
+def holds_stream_marker(path: Path) -> bool:
+    """Whether ``path`` is a directory a ``bl.to_disk`` stream marked as its own."""
+    try:
+        directory = BundleDir(path)
+        info = directory.lstat(STREAM_MARKER)
+        if info is None or info.st_size > 4096:
+            return False
+        return bytes(directory.read(STREAM_MARKER, 4096, "stream marker")) == STREAM_MARKER_TEXT.encode()
+    except BundleError:
+        return False
+
+
+def is_bundle_dir(path: Path) -> bool:
+    """Whether ``path`` holds a backlens bundle or an unfinished ``bl.to_disk`` stream."""
+    return holds_stream_marker(path) or holds_manifest(path)
+
+
+def is_own_leftover(path: Path, target: Path) -> bool:
+    """Whether ``path`` is what an interrupted save to ``target`` left: named as backlens names
+    its staging and set-aside directories, and holding only files backlens writes (or a bundle)."""
+    found = _LEFTOVER.match(path.name)
+    if found is None or found["name"] != target.name or path.parent != target.parent:
+        return False
+    try:
+        with os.scandir(path) as entries:
+            names = [(entry.name, entry.is_file(follow_symlinks=False)) for entry in entries]
+    except OSError:
+        return False
+    if all(is_file and _OWN_FILES.match(name) for name, is_file in names):
+        return True
+    return is_bundle_dir(path)
