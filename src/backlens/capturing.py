@@ -379,7 +379,11 @@ class Capture(CaptureRecords):
             armed = [*as_interventions(intervene), armed_here]
             new = capture(self._model, *args, intervene=armed, **options, **kwargs)
         if loss is not None:
-            new.backward(loss(new))
+            try:
+                new.backward(loss(new))
+            except BaseException:
+                new.close()  # the caller never gets the fork: nothing of it stays armed
+                raise
         return new
 
     # -- lifetime ------------------------------------------------------------
