@@ -32,6 +32,7 @@ from backlens.graph.labels import call_label, op_name, split_call
 Tensor = torch.Tensor
 _sequence_nr = _torch.sequence_nr_function()
 _disable_torch_function = _torch.torch_function_disabled
+_weak = weakref.ref
 
 
 @dataclass(slots=True)
@@ -327,7 +328,11 @@ class ForwardRecorder(TorchFunctionMode):
         self.activations = activations
         # An op hook may replace an op's output (activation edits); None keeps the hot path lean.
         self.op_hook = op_hook
+        # Where each tensor the forward has seen came from, by id(): op index, or -1 - source.
+        # An id outlives its tensor (CPython reuses it), so each is checked against a weak
+        # reference to the tensor it was noted for before it counts as a parent.
         self._ids: dict[int, int] = {}
+        self._alive: dict[int, weakref.ref] = {}
         self._module_stack: list[int] = []
         self._addresses: dict[int, str] = {}
         self._raw = journal.raw_ops
@@ -346,11 +351,12 @@ class ForwardRecorder(TorchFunctionMode):
     def register_sources(self, kind: str, named: Iterable[tuple[str, Tensor]]) -> list[int]:
         """Note tensors that exist before the forward; returns their source indices."""
         names = self.journal.source_names
-        ids = self._ids
+        ids, alive = self._ids, self._alive
         start = len(names)
         for name, tensor in named:
             names.append(name)
             ids[id(tensor)] = -len(names)
+            alive[id(tensor)] = weakref.ref(tensor)
         self.journal.source_kinds.extend([kind] * (len(names) - start))
         return list(range(start, len(names)))
 
@@ -393,7 +399,10 @@ class ForwardRecorder(TorchFunctionMode):
             stack.pop()
         with _disable_torch_function():
             if self.module_output_hook is not None:
-                output = self.module_output_hook(call, output)
+                edited = self.module_output_hook(call, output)
+                if edited is not output:
+                    self._take_place(first_tensor(output), first_tensor(edited))
+                output = edited
             call.seq_end = _sequence_nr()
             call.op_end = len(self._raw)
             first = output if isinstance(output, Tensor) else first_tensor(output)
@@ -426,21 +435,23 @@ class ForwardRecorder(TorchFunctionMode):
             outputs = None
         else:
             return out
-        ids = self._ids
+        ids, alive = self._ids, self._alive
         refs = self._parent_refs
         refs_start = len(refs)
-        _collect(args, ids, refs)
+        _collect(args, ids, alive, refs)
         if kwargs:
-            _collect(kwargs.values(), ids, refs)
+            _collect(kwargs.values(), ids, alive, refs)
         index = len(self._raw)
         if self.replay is not None:
             self.replay.record(index, args, kwargs, outputs, primary)
         if outputs is None:
             ids[id(primary)] = index
+            alive[id(primary)] = _weak(primary)
         else:
             for item in outputs:
                 if isinstance(item, Tensor):
                     ids[id(item)] = index
+                    alive[id(item)] = _weak(item)
         stack = self._module_stack
         output_node = None
         output_nr = 0
@@ -466,14 +477,29 @@ class ForwardRecorder(TorchFunctionMode):
             if self.replay is not None and out is not primary:
                 self.replay.keep_other_outputs(index, out)
         if self.op_hook is not None:
-            out = self.op_hook(entry, out)
+            edited = self.op_hook(entry, out)
+            if edited is not out:
+                self._take_place(primary, first_tensor(edited))
+            out = edited
         return out
+
+    def _take_place(self, original: Tensor | None, edited: Tensor | None) -> None:
+        """An edited output stands where the original stood: ops that read it have the
+        original's op (or source) as their parent."""
+        if original is None or edited is None or edited is original:
+            return
+        found = self._ids.get(id(original))
+        held = self._alive.get(id(original))
+        if found is not None and held is not None and held() is original:
+            self._ids[id(edited)] = found
+            self._alive[id(edited)] = weakref.ref(edited)
 
     def finish(self, output: Any = None) -> None:
         """Drop the forward-time lookup tables (after the forward that returned ``output``)."""
         if self.replay is not None:
             self.replay.finish(output)
         self._ids = {}
+        self._alive = {}
 
 
 class _ModuleCalls:
@@ -529,11 +555,11 @@ class _ModuleCalls:
 _MODULE_CALLS = _ModuleCalls()
 
 
-def _collect(items: Any, ids: dict[int, int], refs: list[int]) -> None:
+def _collect(items: Any, ids: dict[int, int], alive: dict[int, weakref.ref], refs: list[int]) -> None:
     for item in items:
         if isinstance(item, Tensor):
             found = ids.get(id(item))
-            if found is not None:
+            if found is not None and alive[id(item)]() is item:  # not a dead tensor's reused id
                 refs.append(found)
         elif isinstance(item, (list, tuple)):
-            _collect(item, ids, refs)
+            _collect(item, ids, alive, refs)
