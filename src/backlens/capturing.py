@@ -145,6 +145,7 @@ def capture(
     if armed.any:
         armed.check_sites(journal)
         armed.label_applications(journal)
+        armed.warn_unmatched_activation_sites(state)
 
     # What the capture knows beside the journal.
     state.params = [ParamEntry(name, tuple(p.shape), p.dtype, p.requires_grad, weakref.ref(p))

@@ -325,6 +325,10 @@ class BackwardRecorder:
         else:
             state = self._state()  # alive: a collected state disarmed this recorder
             sides = [policy.sides(state.view(NodeView, i), number) for i in range(len(self.table))]
+        node_edits = {}
+        if self.edits is not None and self.edits.node_sites:
+            state = self._state()
+            node_edits = self.edits.node_edits(state, number, len(self.table))
         pass_ = PassEntry(
             number=number,
             trigger=run.trigger,
@@ -335,6 +339,7 @@ class BackwardRecorder:
             start_ns=_now(),
             run=run,
             sides=sides,
+            node_edits=node_edits,
             kept_inputs=self._kept_inputs(policy, number),
             seq_start=_sequence_nr(),
         )
@@ -530,6 +535,9 @@ class BackwardRecorder:
             return None
         edit = self.pre_edits.get(index)
         replaced = edit(grad_outputs, pass_) if edit is not None else None
+        node_edit = pass_.node_edits.get(index) if pass_.node_edits else None
+        if node_edit is not None:
+            replaced = node_edit(replaced if replaced is not None else grad_outputs, pass_)
         try:
             create_graph = pass_.create_graph
             arriving = replaced if replaced is not None else grad_outputs

@@ -121,6 +121,7 @@ class PassEntry:
     calls: list[int] = field(default_factory=list)  # call entry indices, in firing order
     run: Any = None  # the engine run (graph/engine.py)
     sides: list[int] = field(default_factory=list)  # per node: which gradients this pass keeps
+    node_edits: dict[int, Any] = field(default_factory=dict)  # per node: the edit sites matching it this pass
     kept_inputs: frozenset[int] = frozenset()  # non-leaf inputs whose gradient this pass keeps
     created_roots: list[Any] = field(default_factory=list)
     seq_start: int | None = None
