@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import backlens as bl
-from backlens.capture import backward as backward_module
+from backlens import _torch
 from backlens.capture.backward import BackwardRecorder
 from models import MLP
 
@@ -26,8 +26,8 @@ class HooksOnADeviceThread:
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device")
         self.task = threading.local()
         self.threads: set[int] = set()
-        engine_task_id = backward_module._task_id
-        monkeypatch.setattr(backward_module, "_task_id", lambda: self._task_id(engine_task_id))
+        engine_task_id = _torch.graph_task_id_function()
+        monkeypatch.setattr(_torch, "graph_task_id_function", lambda: lambda: self._task_id(engine_task_id))
         for name in ("_on_pre", "_on_sentinel_pre", "_on_post"):
             monkeypatch.setattr(BackwardRecorder, name, self._moved(getattr(BackwardRecorder, name), engine_task_id))
 

@@ -41,7 +41,6 @@ from backlens.graph import engine
 from backlens.graph.discovery import walk_bounded
 
 _now = time.perf_counter_ns
-_task_id = _torch.graph_task_id_function()
 _sequence_nr = _torch.sequence_nr
 _thread = threading.get_ident
 
@@ -72,6 +71,8 @@ class BackwardRecorder:
         detect_nonfinite: bool = False,
     ):
         self._state = weakref.ref(state)
+        # The id of the engine run executing on this thread (-1 outside one; always -1 on a torch without it).
+        self._task_id = _torch.graph_task_id_function()
         # The parts of the state the hooks write, held directly (no lookup per fire).
         self.table = state.table
         self.calls = state.calls
@@ -445,18 +446,18 @@ class BackwardRecorder:
 
     def open_call(self) -> CallEntry | None:
         """The fire of this capture's graph running on this thread now (None outside its passes)."""
-        pass_ = self._pass if _task_id() == self._task else None
+        pass_ = self._pass if self._task_id() == self._task else None
         opened = pass_.run.open.get(_thread()) if pass_ is not None and pass_.run is not None else None
         return next((entry for r, entry, _p in opened[1:] if r is self), None) if opened else None
 
     def close_stale(self) -> None:
         """Backstop: close implicit passes whose engine run has drained."""
         if any(p.status == "running" and not p.run.explicit for p in self.passes):
-            engine.close_stale_implicit_runs(_task_id())
+            engine.close_stale_implicit_runs(self._task_id())
 
     # -- hooks (hot path) --------------------------------------------------
     def _current(self, index: int) -> PassEntry | None:
-        task = _task_id()
+        task = self._task_id()
         if task == self._task and self.hooking:
             return self._pass
         return self._resolve_pass(index, task)
@@ -511,7 +512,7 @@ class BackwardRecorder:
     # only an edit's error and a non-finite gradient (detect_nonfinite) reach it.
     def _on_pre(self, index: int, grad_outputs: tuple) -> tuple | None:
         try:
-            task = _task_id()
+            task = self._task_id()
             pass_ = self._pass if task == self._task and self.hooking else self._resolve_pass(index, task)
             if pass_ is None:
                 return None
@@ -569,7 +570,7 @@ class BackwardRecorder:
         """A non-leaf input's gradient arrives at its grad_fn (a node of another graph)."""
         pass_ = None
         try:
-            task = _task_id()
+            task = self._task_id()
             pass_ = self._pass if task == self._task and self.hooking else None
             if pass_ is None:
                 if not self.hooking:

@@ -14,6 +14,7 @@ op entries are built from those rows when first read.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from bisect import bisect_right
@@ -30,7 +31,6 @@ from backlens.capture.views import OpView
 from backlens.graph.labels import call_label, op_name, split_call
 
 Tensor = torch.Tensor
-_sequence_nr = _torch.sequence_nr_function()
 _disable_torch_function = _torch.torch_function_disabled
 _weak = weakref.ref
 
@@ -341,6 +341,14 @@ class ForwardRecorder(TorchFunctionMode):
         self.module_output_hook: Callable[[ModuleCallEntry, Any], Any] | None = None
         # Records each op's arguments for differentiable replay (capture/replay_record.py), or None.
         self.replay: Any = None
+        # Autograd's sequence numbers bracket the nodes each op and module call made. On a torch
+        # without them a counter stands in (every op then looks as if it made a node, so none is
+        # dropped as an identity) and each op notes its output's node: nodes are paired by identity.
+        with_sequence = _torch.HAS_SEQUENCE_NR
+        self._seq = _torch.sequence_nr_function() if with_sequence else itertools.count(1).__next__
+        self._every_output_node = not with_sequence
+        # Set while the recorder reads module outputs itself on a torch without DisableTorchFunction.
+        self._own_read = False
 
     def record_replay(self, recording: Any) -> None:
         """Record every op's call into ``recording`` (a ReplayRecording) during the forward."""
@@ -389,7 +397,7 @@ class ForwardRecorder(TorchFunctionMode):
         parent = stack[-1] if stack else None
         call = ModuleCallEntry(
             index, address, len(journal.calls_of(address)) + 1, parent,
-            op_start=len(self._raw), seq_start=_sequence_nr(),
+            op_start=len(self._raw), seq_start=self._seq(),
         )
         journal.note_call(call)
         stack.append(index)
@@ -397,13 +405,13 @@ class ForwardRecorder(TorchFunctionMode):
             output = original(module, *args, **kwargs)
         finally:
             stack.pop()
-        with _disable_torch_function():
+        with _disable_torch_function() if _torch.HAS_DISABLE_TORCH_FUNCTION else _OwnRead(self):
             if self.module_output_hook is not None:
                 edited = self.module_output_hook(call, output)
                 if edited is not output:
                     self._take_place(first_tensor(output), first_tensor(edited))
                 output = edited
-            call.seq_end = _sequence_nr()
+            call.seq_end = self._seq()
             call.op_end = len(self._raw)
             first = output if isinstance(output, Tensor) else first_tensor(output)
             if self.replay is not None:
@@ -419,9 +427,12 @@ class ForwardRecorder(TorchFunctionMode):
 
     # -- ops (hot path) ----------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        before = _sequence_nr()
+        if self._own_read:
+            return func(*args, **kwargs) if kwargs else func(*args)
+        seq = self._seq
+        before = seq()
         out = func(*args, **kwargs) if kwargs else func(*args)
-        after = _sequence_nr()
+        after = seq()
         if isinstance(out, Tensor):
             if after == before and args and out is args[0]:
                 return out  # identity (contiguous on a contiguous tensor, .to same dtype)
@@ -455,7 +466,7 @@ class ForwardRecorder(TorchFunctionMode):
         stack = self._module_stack
         output_node = None
         output_nr = 0
-        if after - before > 1:
+        if after - before > 1 or self._every_output_node:
             # Several nodes were made; remember which one is the output's.
             output_node = primary.grad_fn
             output_nr = primary.output_nr
@@ -500,6 +511,21 @@ class ForwardRecorder(TorchFunctionMode):
             self.replay.finish(output)
         self._ids = {}
         self._alive = {}
+
+
+class _OwnRead:
+    """The recorder's own reads pass through its function mode (without DisableTorchFunction)."""
+
+    __slots__ = ("recorder",)
+
+    def __init__(self, recorder: ForwardRecorder):
+        self.recorder = recorder
+
+    def __enter__(self) -> None:
+        self.recorder._own_read = True
+
+    def __exit__(self, *exc: Any) -> None:
+        self.recorder._own_read = False
 
 
 class _ModuleCalls:

@@ -171,6 +171,7 @@ class CaptureState:
         self.inference_only = False
         self.inference_cause: str | None = None
         self.backward_requested = True
+        self.backward_unavailable: str | None = None  # why this torch cannot record a backward (a capability)
         self.flops_enabled = False
         self.rank: int | None = None  # under torch.distributed: this process's rank and the world size
         self.world_size: int | None = None

@@ -71,15 +71,9 @@ def saved_of(node: Any) -> dict[str, Fingerprint | None]:
             if isinstance(value, torch.Tensor):
                 found[f"ctx.{name}"] = _fingerprint(value)
         return found
-    for name in dir(node):
-        if not name.startswith("_saved_") or name.endswith(("_sym_sizes", "_sym_strides")):
-            continue
-        try:
-            value = getattr(node, name)
-        except RuntimeError:
-            continue
+    for name, value in _torch.saved_tensor_attributes(node).items():
         if isinstance(value, torch.Tensor):
-            found[name[1:]] = _fingerprint(value)
+            found[f"saved_{name}"] = _fingerprint(value)
     return found
 
 
