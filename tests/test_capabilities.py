@@ -396,3 +396,16 @@ def test_import_and_a_capture_work_on_a_torch_missing_its_private_entry_points()
     for flag in ("HAS_CURRENT_GRAPH_TASK_ID", "HAS_CURRENT_AUTOGRAD_NODE", "HAS_DISABLE_TORCH_FUNCTION",
                  "HAS_SEQUENCE_NR", "HAS_ENGINE_RUN_BACKWARD", "HAS_TORCH_DISPATCH_MODE", "HAS_FLOP_REGISTRY"):
         assert flag in off
+
+
+def test_without_module_dicts_the_walk_names_the_same_modules_parameters_and_buffers(monkeypatch):
+    from backlens.capture.walk import walk_model
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Sequential(nn.ReLU(), nn.Linear(4, 2)))
+    model[2].tied = model[0]  # a module reached twice keeps its first name
+    fast = walk_model(model)
+    without(monkeypatch, "HAS_MODULE_DICTS")
+    slow = walk_model(model)
+    assert slow[0] == fast[0] and slow[1] == fast[1]
+    assert list(slow[2]) == list(fast[2]) and list(slow[3]) == list(fast[3])

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from backlens import _torch
-from backlens.graph.discovery import walk_new
+from backlens.graph.discovery import walk as walk_graph
 
 Fingerprint = tuple[tuple[int, ...] | None, int | None]
 
@@ -45,7 +45,7 @@ class OnceOnlyNode:
 
 def walk(roots: list[Any]) -> list[Any]:
     """Every node reachable from ``roots`` through ``next_functions``."""
-    return walk_new(roots, lambda node: False)[0]
+    return walk_graph(roots).found
 
 
 def _fingerprint(value: Any) -> Fingerprint | None:

@@ -25,7 +25,6 @@ import os
 import sys
 import threading
 import weakref
-from collections import deque
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -35,7 +34,7 @@ import torch
 from backlens import _torch
 from backlens._fence import complete
 from backlens._frames import PACKAGE_DIR, TORCH_DIR, user_frame
-from backlens.graph.discovery import root_nodes
+from backlens.graph.discovery import root_nodes, walk
 
 
 @dataclass(frozen=True)
@@ -287,22 +286,15 @@ def claim(roots: list[Any], live: list[Participant], *, follow_upstream: bool = 
     node that led the walk to it.
     """
     owner_of: dict[Any, Participant] = {}
-    walked: list[Any] = []
-    led_by: dict[Any, Any] = {}
-    seen: set[Any] = set()
-    queue = deque((root, None) for root in roots)
-    while queue:
-        node, parent = queue.popleft()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
+
+    def made_by_a_forward(node: Any) -> bool:
         owner = next((p for p in live if p.forward_node(node)), None)
         if owner is not None:
             owner_of[node] = owner
-            continue
-        walked.append(node)
-        led_by[node] = parent
-        queue.extend((child, node) for child, _ in node.next_functions)
+        return owner is not None
+
+    done = walk(roots, made_by_a_forward, parents=True)
+    walked, led_by = done.found, done.led_by
     if not owner_of:
         return {}
     reached = set(owner_of.values())
