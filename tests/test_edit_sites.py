@@ -87,6 +87,29 @@ def test_a_forward_selector_limited_to_one_pass_edits_that_pass_only():
     assert [len(p.edits) for p in cap.passes] == [0, 2]
 
 
+def test_an_op_output_node_limited_to_one_pass_edits_that_op_s_output_gradient_in_that_pass():
+    model, x = model_and_input()
+    first, second, _cap = captured(
+        model, x, bl.grad(bl.func("linear") & bl.grad_fn("AddmmBackward0") & bl.in_pass(2)))
+    reference = copy.deepcopy(model)
+
+    def keep(module, inputs, out):
+        count = {"pass": 0}
+
+        def hook(grad):
+            count["pass"] += 1
+            return grad * 0.5 if count["pass"] == 2 else grad
+
+        out.register_hook(hook)
+
+    for module in reference.modules():
+        if isinstance(module, nn.Linear):
+            module.register_forward_hook(keep)
+    expected_first, expected_second = two_passes(reference, x, lambda m, x: m(x))
+    assert_same(first, expected_first)
+    assert_same(second, expected_second)
+
+
 def test_a_node_label_site_edits_that_node():
     model, x = model_and_input()
     label = bl.capture(model, x).ops["relu_1"].grad_fn.label

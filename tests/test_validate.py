@@ -176,6 +176,7 @@ def test_an_exception_in_the_captured_backward_leaves_nothing_installed_and_the_
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
     buffers = {name: b.clone() for name, b in model.named_buffers()}
     call_impl = nn.Module._call_impl
+    armed = engine._live_participants()  # captures other tests may still hold
     calls = {"n": 0}
 
     def loss_fn(out):
@@ -186,8 +187,8 @@ def test_an_exception_in_the_captured_backward_leaves_nothing_installed_and_the_
 
     with pytest.raises(RuntimeError, match="exploded in the backward"):
         bl.validate(model, torch.randn(4, 6), loss_fn)
-    assert not _torch.engine_wrapper_installed()
-    assert engine._live_participants() == []
+    assert engine._live_participants() == armed
+    assert _torch.engine_wrapper_installed() == bool(armed or engine._observers)
     assert nn.Module._call_impl is call_impl
     for name, p in model.named_parameters():
         assert torch.equal(p.grad, grads[name]), name
