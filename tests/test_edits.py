@@ -126,6 +126,34 @@ def test_do_returns_a_new_capture_and_leaves_the_first_unchanged():
     assert torch.equal(edited.output, zeroed)
 
 
+@pytest.mark.parametrize("fails_in", ["loss", "backward"])
+def test_do_closes_its_fork_when_the_loss_or_its_backward_raises(fails_in):
+    from backlens import _torch
+    from backlens.graph import engine
+
+    model, x = model_and_input()
+    armed = engine._live_participants()  # captures other tests may still hold
+    cap = bl.capture(model, x)
+
+    def loss(c):
+        if fails_in == "loss":
+            raise ValueError("no loss today")
+        out = c.output.clone()
+        out.register_hook(_explode)
+        return loss_fn(out)
+
+    with pytest.raises((ValueError, RuntimeError), match="no loss today|exploded"):
+        cap.do("relu_1", bl.zero_ablate(), loss=loss)
+    assert engine._live_participants() == [*armed, cap._state.recorder]
+    cap.close()
+    assert engine._live_participants() == armed
+    assert _torch.engine_wrapper_installed() == bool(armed or engine._observers)
+
+
+def _explode(grad):
+    raise RuntimeError("exploded in the backward")
+
+
 def test_gradient_edits_apply_in_every_pass():
     model, x = model_and_input()
     cap = bl.capture(model, x, intervene=bl.when(bl.grad("relu_1"), bl.scale(2)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -67,6 +68,40 @@ def test_module_calls_nest_and_repeat_with_a_call_suffix():
     assert cap.modules[""].children == ["block:1", "block:2"]
     assert cap.modules["block:2"].ops == ["linear_2"]
     assert cap.ops["tanh_1"].module == ""
+
+
+class ReusesADeadTensorsId(nn.Module):
+    """Drops an op's output, then makes a tensor outside torch's functions until one takes its id."""
+
+    def forward(self, x):
+        a = x * 2
+        s = a.sum()
+        dead = id(a)
+        del a
+        held = []
+        for _ in range(10_000):
+            c = torch.from_numpy(np.ones(3, dtype=np.float32))
+            if id(c) == dead:
+                break
+            held.append(c)
+        self.reused = id(c) == dead
+        return c + s
+
+
+def test_parents_do_not_follow_a_dead_tensors_id_reused_by_an_unrecorded_tensor():
+    model = ReusesADeadTensorsId()
+    cap = bl.capture(model, torch.randn(3, requires_grad=True))
+    assert model.reused  # the situation under test did arise
+    assert cap.ops["add_1"].parents == ["sum_1"]
+
+
+@pytest.mark.parametrize("site", ["relu_1", "net.1"])
+def test_an_activation_edit_keeps_the_edited_output_in_its_place_among_the_ops(site):
+    torch.manual_seed(0)
+    model = MLP()
+    cap = bl.capture(model, torch.randn(2, 6), intervene=bl.when(site, bl.scale(0.5)))
+    assert cap.ops["linear_2"].parents == ["relu_1"]
+    assert cap.ops["relu_1"].parents == ["linear_1"]
 
 
 def test_cnn_records_conv_batchnorm_and_head():

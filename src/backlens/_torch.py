@@ -2,7 +2,10 @@
 
 Each private entry point is looked up once, behind a capability flag that
 ``bl.doctor()`` prints. A missing one degrades the feature that needs it and
-says why (see ``CAPABILITIES``), instead of failing at import.
+says why (see ``CAPABILITIES``), instead of failing at import. The accessors
+below read their flag when called, and the recorders take the raw readers they
+cache when a capture starts, so a flag set to False (as the tests do, one by
+one) takes the degraded path from the next capture on.
 """
 
 from __future__ import annotations
@@ -54,7 +57,9 @@ CAPABILITIES: tuple[Capability, ...] = (
         "HAS_SEQUENCE_NR",
         HAS_SEQUENCE_NR,
         "pairing autograd nodes with the forward op and module that created them",
-        "nodes are paired only through each op's output grad_fn; inner nodes get module 'inferred'",
+        "a node is paired with the first op whose output it made (through the output's grad_fn); other "
+        "nodes made in the forward (a linear's TBackward0) have no op and no module, and no node is "
+        "paired with a create_graph pass's fire (order 1)",
     ),
     Capability(
         "HAS_ENGINE_RUN_BACKWARD",
@@ -102,12 +107,15 @@ CAPABILITIES: tuple[Capability, ...] = (
 
 
 _disable_torch_function = getattr(torch._C, "DisableTorchFunction", None)
+HAS_DISABLE_TORCH_FUNCTION = _disable_torch_function is not None
 
 
 def torch_function_disabled():
     """A context in which torch function modes do not see calls (our own bookkeeping
-    reads of ``.grad_fn``, ``.shape`` between ops would otherwise go through them)."""
-    if _disable_torch_function is None:
+    reads of ``.grad_fn``, ``.shape`` between ops would otherwise go through them).
+    Without it, a null context: the forward recorder then passes its own reads through
+    (``capture/forward.py``)."""
+    if not HAS_DISABLE_TORCH_FUNCTION:
         from contextlib import nullcontext
 
         return nullcontext()
@@ -116,25 +124,25 @@ def torch_function_disabled():
 
 def sequence_nr_function() -> Callable[[], int]:
     """The raw sequence-number reader, for hot paths (returns 0 when unavailable)."""
-    return _get_sequence_nr if _get_sequence_nr is not None else (lambda: 0)
+    return _get_sequence_nr if HAS_SEQUENCE_NR else (lambda: 0)
 
 
 def sequence_nr() -> int | None:
     """The calling thread's next autograd sequence number (None if unknown)."""
-    return _get_sequence_nr() if _get_sequence_nr is not None else None
+    return _get_sequence_nr() if HAS_SEQUENCE_NR else None
 
 
 def graph_task_id_function() -> Callable[[], int]:
     """The raw reader of the id of the engine run executing on this thread, for hot
     paths (-1 outside the engine, and always when unavailable)."""
-    return _current_graph_task_id if _current_graph_task_id is not None else (lambda: -1)
+    return _current_graph_task_id if HAS_CURRENT_GRAPH_TASK_ID else (lambda: -1)
 
 
 def engine_will_run(node: Any) -> bool | None:
     """Whether the engine run executing on this thread runs ``node`` (None when it cannot tell:
     no run on this thread, or a torch without the query). Answered from the run's own node set,
     so no graph walk; with ``inputs=`` it is the nodes on the way to those inputs."""
-    if _will_engine_execute_node is None:
+    if not HAS_ENGINE_NODE_QUERY:
         return None
     try:
         return bool(_will_engine_execute_node(node))
@@ -144,7 +152,7 @@ def engine_will_run(node: Any) -> bool | None:
 
 def current_keep_graph() -> bool | None:
     """Whether the running engine task retains its graph (None if unknown)."""
-    if _keep_graph is None:
+    if not HAS_GRAPH_TASK_KEEP_GRAPH:
         return None
     try:
         return bool(_keep_graph())
@@ -154,7 +162,7 @@ def current_keep_graph() -> bool | None:
 
 def queue_engine_callback(fn: Callable[[], None]) -> bool:
     """Run ``fn`` when the current engine run drains. False when unavailable."""
-    if _queue_callback is None:
+    if not HAS_ENGINE_QUEUE_CALLBACK:
         return False
     _queue_callback(fn)
     return True
@@ -204,6 +212,8 @@ def accumulate_grad_variable(node: Any) -> torch.Tensor | None:
 
 
 def node_sequence_nr(node: Any) -> int | None:
+    if not HAS_SEQUENCE_NR:
+        return None
     fn = getattr(node, "_sequence_nr", None)
     return fn() if fn is not None else None
 
@@ -243,12 +253,12 @@ CAPABILITIES = CAPABILITIES + (
 
 def current_autograd_node_function() -> Callable[[], Any]:
     """The raw executing-node reader, for hot paths (returns None when unavailable)."""
-    return _current_autograd_node if _current_autograd_node is not None else (lambda: None)
+    return _current_autograd_node if HAS_CURRENT_AUTOGRAD_NODE else (lambda: None)
 
 
 def top_saved_tensors_pack_hook() -> Callable[..., Any] | None:
     """The pack hook of the innermost ``saved_tensors_hooks`` context, if any."""
-    if _top_saved_tensors_hooks is None:
+    if not HAS_TOP_SAVED_TENSORS_HOOKS:
         return None
     hooks = _top_saved_tensors_hooks(False)
     return hooks[0] if hooks else None
@@ -266,7 +276,7 @@ def only_decomposes(op: Any) -> bool:
     kernel of its own, so running the decomposition is what would run anyway."""
     composite = any(getattr(key, "name", None) == "CompositeImplicitAutograd"
                     for key in getattr(op, "py_kernels", ()))
-    if _has_kernel_for_key is None:
+    if not HAS_DISPATCH_KERNEL_QUERY:
         return False
     try:
         name = op.name()
@@ -299,21 +309,21 @@ CAPABILITIES = (
 
 def set_grad_enabled_function() -> Callable[[bool], Any]:
     """Set the calling thread's grad mode at once (no context-manager object)."""
-    if _raw_set_grad_enabled is not None:
+    if HAS_RAW_MODE_SWITCHES:
         return _raw_set_grad_enabled
     return lambda mode: torch.set_grad_enabled(mode)
 
 
 def inference_mode_guard(enabled: bool) -> Any:
     """An object whose ``__enter__``/``__exit__`` switch inference mode (and restore it wholesale)."""
-    if _raw_inference_guard is not None:
+    if HAS_RAW_MODE_SWITCHES:
         return _raw_inference_guard(enabled)
     return torch.inference_mode(enabled)
 
 
 def any_autocast_enabled_function() -> Callable[[], bool] | None:
     """A cheap 'is autocast on for any device' check, or None (then check each device)."""
-    return _raw_any_autocast
+    return _raw_any_autocast if HAS_RAW_MODE_SWITCHES else None
 
 
 # distributed
@@ -329,6 +339,8 @@ def any_autocast_enabled_function() -> Callable[[], bool] | None:
 def fsdp_param_groups(module: Any) -> list[Any]:
     """The param groups of an FSDP2 unit that carry communication objects (none when
     ``module`` is not a unit or torch keeps them elsewhere)."""
+    if not FSDP_COMM_OBJECTS.present:
+        return []
     get_state = getattr(module, "_get_fsdp_state", None)
     if get_state is None:
         return []
@@ -373,20 +385,27 @@ class _FsdpCapability:
     used_for = "recording FSDP2's all-gathers and reduce-scatters in a backward (pass_.collectives)"
     without_it = "FSDP2 collectives are not recorded (pass_.collectives stays empty under FSDP2)"
 
+    _present: bool | None = None
+
     @property
     def present(self) -> bool:
-        try:
-            from torch.distributed.fsdp import FSDPModule
-            from torch.distributed.fsdp._fully_shard import _fsdp_param_group
-        except ImportError:
-            return False
-        source = getattr(_fsdp_param_group.FSDPParamGroup, "__init__", None)
-        names = getattr(getattr(source, "__code__", None), "co_names", ())
-        return (hasattr(FSDPModule, "_get_fsdp_state") and "_all_gather_comm" in names
-                and "_reduce_scatter_comm" in names)
+        """Read from the API, not from bytecode: the unit's state accessor, and the public
+        setters of the communication objects (``set_custom_all_gather`` and
+        ``set_custom_reduce_scatter`` replace them, so this FSDP2 keeps them per param
+        group). Whether a group holds them is checked on the group itself
+        (:func:`fsdp_param_groups`); one that does not is noted on the capture."""
+        if self._present is None:
+            try:
+                from torch.distributed.fsdp import FSDPModule
+            except ImportError:
+                return False
+            self._present = all(hasattr(FSDPModule, name) for name in
+                                ("_get_fsdp_state", "set_custom_all_gather", "set_custom_reduce_scatter"))
+        return self._present
 
 
-CAPABILITIES = (*CAPABILITIES, _FsdpCapability())
+FSDP_COMM_OBJECTS = _FsdpCapability()
+CAPABILITIES = (*CAPABILITIES, FSDP_COMM_OBJECTS)
 
 
 # checkpoint witness
@@ -470,9 +489,14 @@ def compiled_original(module: Any) -> torch.nn.Module | None:
 
 from contextlib import contextmanager  # noqa: E402
 
-import torch.utils._python_dispatch as _python_dispatch  # noqa: E402
-
 from backlens._fence import complete  # noqa: E402
+
+try:  # TorchDispatchMode: the FLOP census and the forward's meta replay are dispatch modes
+    import torch.utils._python_dispatch as _python_dispatch
+except ImportError:
+    _python_dispatch = None
+_TorchDispatchMode = getattr(_python_dispatch, "TorchDispatchMode", None)
+HAS_TORCH_DISPATCH_MODE = isinstance(_TorchDispatchMode, type)
 
 _len_function_stack = _lookup(torch._C, "_len_torch_function_stack")
 _pop_function_stack = _lookup(torch._C, "_pop_torch_function_stack")
@@ -488,7 +512,8 @@ _set_compile_internals_flag = getattr(_python_dispatch, "set_is_in_mode_without_
 
 HAS_MODE_STACKS = None not in (_len_function_stack, _pop_function_stack, _function_stack_at,
                                _len_dispatch_stack, _pop_dispatch_stack, _dispatch_stack_at)
-HAS_DISPATCH_MODE_FLAGS = all(hasattr(_python_dispatch, name) for name in _DISPATCH_FLAGS)
+HAS_DISPATCH_MODE_FLAGS = _python_dispatch is not None and all(hasattr(_python_dispatch, name)
+                                                                for name in _DISPATCH_FLAGS)
 
 CAPABILITIES = (
     *CAPABILITIES,
@@ -497,6 +522,19 @@ CAPABILITIES = (
         HAS_MODE_STACKS,
         "taking backlens's modes off torch's mode stacks also when a Ctrl-C interrupts entering or leaving them",
         "modes are left with `with` alone; a Ctrl-C at the wrong moment can leave one installed",
+    ),
+    Capability(
+        "HAS_TORCH_DISPATCH_MODE",
+        HAS_TORCH_DISPATCH_MODE,
+        "counting backward FLOPs (the ATen census) and replaying unusual forward ops on meta tensors",
+        "no pass is counted (its FLOPs are None and say why); forward FLOPs only for the ops counted from "
+        "their shapes (linear, matmuls, attention), None for the rest",
+    ),
+    Capability(
+        "HAS_DISPATCH_MODE_FLAGS",
+        HAS_DISPATCH_MODE_FLAGS,
+        "restoring torch's in-a-dispatch-mode flags when a census leaves the mode stack, also after a Ctrl-C",
+        "dispatch modes are left with `with` alone; a Ctrl-C at the wrong moment can leave one installed",
     ),
 )
 
@@ -528,7 +566,20 @@ def function_mode(mode: Any):
         complete(leave)
 
 
-class EagerDispatchMode(_python_dispatch.TorchDispatchMode):
+class _NoDispatchMode:
+    """Stands in for ``TorchDispatchMode`` on a torch without it: entering one raises."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __enter__(self) -> Any:
+        raise RuntimeError("this torch has no TorchDispatchMode (bl.doctor(): HAS_TORCH_DISPATCH_MODE)")
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+class EagerDispatchMode(_TorchDispatchMode if HAS_TORCH_DISPATCH_MODE else _NoDispatchMode):  # type: ignore[misc]
     """A ``TorchDispatchMode`` whose ``__torch_dispatch__`` torch leaves as written.
 
     Unless a mode's ``_should_skip_dynamo`` says no, torch wraps its
@@ -547,6 +598,8 @@ class EagerDispatchMode(_python_dispatch.TorchDispatchMode):
 def dispatch_mode(mode: Any):
     """Hold a ``TorchDispatchMode`` active; leaving, torch's dispatch mode stack and the flags its
     ``__enter__`` sets are back where they were."""
+    if not HAS_TORCH_DISPATCH_MODE:
+        raise RuntimeError("this torch has no TorchDispatchMode (bl.doctor(): HAS_TORCH_DISPATCH_MODE)")
     if not (HAS_MODE_STACKS and HAS_DISPATCH_MODE_FLAGS):
         with mode:
             yield mode
@@ -598,3 +651,201 @@ def drop_dispatch_modes(stale: Callable[[Any], bool]) -> int:
     if dropped:
         _recompute_dispatch_flags()
     return dropped
+
+
+# the forward recorder's own reads ---------------------------------------------
+
+CAPABILITIES = (
+    *CAPABILITIES,
+    Capability(
+        "HAS_DISABLE_TORCH_FUNCTION",
+        HAS_DISABLE_TORCH_FUNCTION,
+        "reading module outputs (.grad_fn, .shape) between ops without the forward's function mode seeing it",
+        "the function mode passes the recorder's own reads straight through (about a microsecond more per "
+        "module call)",
+    ),
+)
+
+
+# FLOP formulas -----------------------------------------------------------------
+# torch.utils.flop_counter's registry holds shape-level formulas wrapped in
+# ``shape_wrapper`` (a pytree walk per call that costs more than the count); the
+# unwrapped one is its ``__wrapped__``, read here when asked, never at import.
+# The formulas torch lacks (CPU attention) are added with torch's own
+# ``register_flop_formula`` the first time backlens counts.
+
+import torch.utils.flop_counter as _flop_counter  # noqa: E402 - grouped with what uses it
+
+_flop_registry = getattr(_flop_counter, "flop_registry", None)
+_register_flop_formula = getattr(_flop_counter, "register_flop_formula", None)
+_shape_wrapper = getattr(_flop_counter, "shape_wrapper", None)
+
+HAS_FLOP_REGISTRY = isinstance(_flop_registry, dict) and callable(_shape_wrapper)
+HAS_SHAPE_LEVEL_FLOP_FORMULAS = HAS_FLOP_REGISTRY and callable(
+    getattr(_flop_registry.get(torch.ops.aten.mm), "__wrapped__", None))
+HAS_FLOP_FORMULA_REGISTRATION = HAS_FLOP_REGISTRY and callable(_register_flop_formula)
+
+CAPABILITIES = (
+    *CAPABILITIES,
+    Capability(
+        "HAS_FLOP_REGISTRY",
+        HAS_FLOP_REGISTRY,
+        "FLOP formulas: torch.utils.flop_counter's registry (2 x MACs, FlopCounterMode's conventions)",
+        "no FLOPs are counted: every pass and forward op reports FLOPs None",
+    ),
+    Capability(
+        "HAS_SHAPE_LEVEL_FLOP_FORMULAS",
+        HAS_SHAPE_LEVEL_FLOP_FORMULAS,
+        "evaluating the registry's formulas on shapes directly (its shape_wrapper's __wrapped__)",
+        "formulas are called through the registry's wrapper: the same counts, a few microseconds more each",
+    ),
+    Capability(
+        "HAS_FLOP_FORMULA_REGISTRATION",
+        HAS_FLOP_FORMULA_REGISTRATION,
+        "adding the CPU attention formulas torch lacks to its registry (register_flop_formula)",
+        "backlens counts them from its own table; FlopCounterMode needs custom_mapping=EXTRA_FORMULAS to agree",
+    ),
+)
+
+_formula_cache: dict[tuple[Any, bool], Callable[..., int] | None] = {}
+
+
+def flop_registry() -> dict:
+    """torch's FLOP formula registry (OpOverloadPacket -> formula); empty without one."""
+    return _flop_registry if HAS_FLOP_REGISTRY else {}
+
+
+def shape_level_flop_formula(formula: Any) -> Callable[..., int] | None:
+    """The shape-level function behind a registered formula (None: call the formula itself)."""
+    if not HAS_SHAPE_LEVEL_FLOP_FORMULAS:
+        return None
+    inner = getattr(formula, "__wrapped__", None)
+    return inner if callable(inner) else None
+
+
+def flop_formula(packet: Any) -> Callable[..., int] | None:
+    """The registry's formula for ``packet`` as ``f(*shapes, out_shape=None, **kwargs) -> int``
+    (None when it has none): unwrapped where it can be, else through the registry's wrapper."""
+    key = (packet, HAS_SHAPE_LEVEL_FLOP_FORMULAS)
+    found = _formula_cache.get(key, _formula_cache)
+    if found is not _formula_cache:
+        return found
+    formula = flop_registry().get(packet)
+    if formula is None:
+        found = None
+    else:
+        found = shape_level_flop_formula(formula)
+        if found is None:
+            def found(*shapes: Any, out_shape: Any = None, _formula: Any = formula, **kwargs: Any) -> int:
+                return _formula(*shapes, out_val=out_shape, **kwargs)  # shapes pass its walk unchanged
+    _formula_cache[key] = found
+    return found
+
+
+def register_flop_formulas(formulas: dict[Any, Callable[..., int]]) -> list[Any]:
+    """Register shape-level ``formulas`` (packet -> formula) that torch's registry lacks, with
+    torch's own ``register_flop_formula``; returns the packets registered (none without it)."""
+    if not HAS_FLOP_FORMULA_REGISTRATION:
+        return []
+    added = []
+    for packet, formula in formulas.items():
+        if packet in _flop_registry:
+            continue  # torch has its own (a newer torch, or a user's registration): it stays
+        try:
+            _register_flop_formula(packet)(formula)
+        except (RuntimeError, ValueError, TypeError):
+            continue
+        added.append(packet)
+    return added
+
+
+# saved tensors of built-in nodes ---------------------------------------------------
+# Torch's generated node classes expose what they saved for backward as
+# ``_saved_<name>`` attributes (the once-only check fingerprints them).
+
+HAS_SAVED_TENSOR_ATTRIBUTES = any(name.startswith("_saved_") for name in dir(
+    getattr(getattr(torch._C, "_functions", None), "MulBackward0", None) or object))
+
+CAPABILITIES = (
+    *CAPABILITIES,
+    Capability(
+        "HAS_SAVED_TENSOR_ATTRIBUTES",
+        HAS_SAVED_TENSOR_ATTRIBUTES,
+        "fingerprinting built-in nodes' saved tensors (node._saved_*), to name a node whose saved tensors "
+        "were freed or changed",
+        "only custom Functions' saved tensors are fingerprinted",
+    ),
+)
+
+
+def saved_tensor_attributes(node: Any) -> dict[str, Any]:
+    """``name -> value`` of what a built-in node saved for backward (``self``, ``other``, ...);
+    empty without the attributes or for a value torch has already freed."""
+    if not HAS_SAVED_TENSOR_ATTRIBUTES:
+        return {}
+    found = {}
+    for name in dir(node):
+        if not name.startswith("_saved_") or name.endswith(("_sym_sizes", "_sym_strides")):
+            continue
+        try:
+            found[name[len("_saved_"):]] = getattr(node, name)
+        except RuntimeError:
+            continue
+    return found
+
+
+# checkpoint recomputation ---------------------------------------------------------
+# Non-reentrant checkpoint recomputes under its own saved-tensor hooks, whose pack
+# hook is a closure defined in ``torch.utils.checkpoint._recomputation_hook``.
+
+_recomputation_hook_class = getattr(_checkpoint_module, "_recomputation_hook", None)
+HAS_RECOMPUTATION_HOOK_CLASS = isinstance(_recomputation_hook_class, type) and issubclass(
+    _recomputation_hook_class, torch.autograd.graph.saved_tensors_hooks)
+
+CAPABILITIES = (
+    *CAPABILITIES,
+    Capability(
+        "HAS_RECOMPUTATION_HOOK_CLASS",
+        HAS_RECOMPUTATION_HOOK_CLASS,
+        "telling checkpoint recomputation apart in create_graph=True passes (by its saved-tensor hook)",
+        "recompute_flops is None in create_graph=True passes",
+    ),
+)
+
+
+def is_checkpoint_recomputation_hook(pack_hook: Any) -> bool:
+    """Whether ``pack_hook`` is the pack hook of non-reentrant checkpoint's recomputation."""
+    if not HAS_RECOMPUTATION_HOOK_CLASS or pack_hook is None:
+        return False
+    qualname = getattr(pack_hook, "__qualname__", "") or ""
+    module = getattr(pack_hook, "__module__", "") or ""
+    return (qualname.startswith(_recomputation_hook_class.__qualname__ + ".")
+            and module == _recomputation_hook_class.__module__)
+
+
+# module internals ---------------------------------------------------------------
+# A capture walks the model once per call: the module's own parameter, buffer and
+# child dicts are several times faster to read than the public generators.
+
+HAS_MODULE_DICTS = all(isinstance(getattr(torch.nn.Module(), name, None), dict)
+                       for name in ("_parameters", "_buffers", "_modules"))
+
+CAPABILITIES = (
+    *CAPABILITIES,
+    Capability(
+        "HAS_MODULE_DICTS",
+        HAS_MODULE_DICTS,
+        "walking a model's modules, parameters and buffers quickly at each capture",
+        "the walk uses the public named_parameters/named_buffers/named_children, a little slower",
+    ),
+)
+
+
+def module_parts(module: torch.nn.Module) -> tuple[Any, Any, Any]:
+    """A module's own ``(name, parameter)``, ``(name, buffer)`` and ``(name, child)`` pairs
+    (entries may be None where the module holds a None)."""
+    if HAS_MODULE_DICTS:
+        return module._parameters.items(), module._buffers.items(), module._modules.items()
+    return (module.named_parameters(recurse=False, remove_duplicate=False),
+            module.named_buffers(recurse=False, remove_duplicate=False),
+            list(module.named_children()))

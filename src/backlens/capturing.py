@@ -20,6 +20,7 @@ from backlens import _args, _torch
 from backlens._distributed import rank_and_world_size
 from backlens._fence import complete
 from backlens._nested import iter_tensors
+from backlens._warn import warn
 from backlens.capture.backward import BackwardRecorder
 from backlens.capture.collectives import CollectiveRecorder
 from backlens.capture.compiled import NOT_COUNTED, is_opaque, original_module, run_opaque
@@ -108,6 +109,11 @@ def capture(
     state = CaptureState(make_store(storage))
     armed = ArmedEdits(interventions, state.forward_edits)
     armed.check_backward(backward)
+    if backward and not _torch.HAS_NODE_PREHOOK:
+        state.backward_unavailable = NO_NODE_PREHOOKS
+        if armed.gradient:
+            raise _no_node_prehooks()
+        warn(f"{NO_NODE_PREHOOKS}: bl.capture records the forward only.", "backward_capture_unavailable")
     journal = state.journal
     # flops=True: the recorder also counts or notes the ops that may carry FLOPs (no dispatch mode).
     recorder = (FlopForwardRecorder if flops else ForwardRecorder)(
@@ -147,6 +153,7 @@ def capture(
     if armed.any:
         armed.check_sites(journal)
         armed.label_applications(journal)
+        armed.warn_unmatched_activation_sites(state)
 
     # What the capture knows beside the journal.
     state.params = [ParamEntry(name, tuple(p.shape), p.dtype, p.requires_grad, weakref.ref(p))
@@ -165,7 +172,7 @@ def capture(
     # passes over it when one is wanted and possible.
     if armed.gradient:
         armed.find_gradient_sites(state)
-    live = backward and not state.inference_only
+    live = backward and not state.inference_only and state.backward_unavailable is None
     # Under torch.distributed: the collectives of DDP and FSDP2 parts, each pass's own.
     collectives = (CollectiveRecorder.for_model(state, model, addresses, params)
                    if live and state.rank is not None else None)
@@ -325,6 +332,8 @@ class Capture(CaptureRecords):
             raise CaptureClosedError(
                 "This capture was closed; its hooks are gone, so it cannot record a backward.",
             )
+        if state.backward_unavailable is not None:
+            raise _no_node_prehooks()
         if not state.backward_requested:
             raise BackwardUnavailableError(
                 "This capture was made with backward=False: it recorded the forward only "
@@ -389,7 +398,11 @@ class Capture(CaptureRecords):
             armed = [*as_interventions(intervene), armed_here]
             new = capture(self._model, *args, intervene=armed, **options, **kwargs)
         if loss is not None:
-            new.backward(loss(new))
+            try:
+                new.backward(loss(new))
+            except BaseException:
+                new.close()  # the caller never gets the fork: nothing of it stays armed
+                raise
         return new
 
     # -- lifetime ------------------------------------------------------------
@@ -437,6 +450,18 @@ class Capture(CaptureRecords):
         how = "closed" if state.closed else "inference-only" if state.inference_only else "armed"
         return (f"<Capture {how}: {len(state.journal.ops)} ops, {len(state.journal.module_calls)} module calls, "
                 f"{len(state.passes)} backward passes>")
+
+
+NO_NODE_PREHOOKS = ("this torch has no Node.register_prehook (bl.doctor(): HAS_NODE_PREHOOK), which backward "
+                    "capture records node fires and applies gradient edits with")
+
+
+def _no_node_prehooks() -> BackwardUnavailableError:
+    return BackwardUnavailableError(
+        f"This capture cannot record a backward: {NO_NODE_PREHOOKS}.",
+        code="no_node_prehooks",
+        remedy="Use a torch with Node.register_prehook (2.0 or later), or capture with backward=False.",
+    )
 
 
 def _foreign_loss() -> NoGradientPathError:

@@ -77,6 +77,15 @@ class Selector:
         """A plain-data form ``selector_from_json`` rebuilds (for bundles)."""
         return {"kind": "opaque", "repr": repr(self)}
 
+    def terms(self) -> list[tuple[str, bool]]:
+        """Its leaf selectors as ``(kind, positive)``: ``kind`` as in ``to_json`` (``"custom"``
+        for a user's subclass), ``positive`` False under an odd number of ``~``.
+
+        Says what a selector can match without asking it about any object: an edit
+        site is resolved to forward ops or to node calls from its terms.
+        """
+        return [("custom", True)]
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Selector) and repr(other) == repr(self)
 
@@ -168,6 +177,9 @@ class _Func(Selector):
     def to_json(self) -> dict[str, Any]:
         return {"kind": "func", "names": list(self.names)}
 
+    def terms(self) -> list[tuple[str, bool]]:
+        return [("func", True)]
+
     def __repr__(self) -> str:
         return f"bl.func({_args_repr(self.names)})"
 
@@ -214,6 +226,9 @@ class _Label(Selector):
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": "label", "names": list(self.names)}
+
+    def terms(self) -> list[tuple[str, bool]]:
+        return [("label", True)]
 
     def __repr__(self) -> str:
         return f"bl.label({_args_repr(self.names)})"
@@ -288,6 +303,9 @@ class _Module(Selector):
     def to_json(self) -> dict[str, Any]:
         return {"kind": "module", "names": list(self.addresses)}
 
+    def terms(self) -> list[tuple[str, bool]]:
+        return [("module", True)]
+
     def __repr__(self) -> str:
         return f"bl.module({_args_repr(self.addresses)})"
 
@@ -329,6 +347,9 @@ class _GradFn(Selector):
     def to_json(self) -> dict[str, Any]:
         return {"kind": "grad_fn", "type": self.type_name, "label": self.label_part}
 
+    def terms(self) -> list[tuple[str, bool]]:
+        return [("grad_fn", True)]
+
     def __repr__(self) -> str:
         parts = [repr(self.type_name)] if self.type_name is not None else []
         if self.label_part is not None:
@@ -360,6 +381,9 @@ class _WithoutOp(Selector):
     def to_json(self) -> dict[str, Any]:
         return {"kind": "without_op"}
 
+    def terms(self) -> list[tuple[str, bool]]:
+        return [("without_op", True)]
+
     def __repr__(self) -> str:
         return "bl.without_op()"
 
@@ -378,6 +402,9 @@ class _Side(Selector):
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.side}
+
+    def terms(self) -> list[tuple[str, bool]]:
+        return [(self.side, True)]
 
     def __repr__(self) -> str:
         return f"bl.{self.side}()"
@@ -406,6 +433,9 @@ class _InPass(Selector):
     def to_json(self) -> dict[str, Any]:
         return {"kind": "in_pass", "numbers": list(self.numbers)}
 
+    def terms(self) -> list[tuple[str, bool]]:
+        return [("in_pass", True)]
+
     def __repr__(self) -> str:
         return f"bl.in_pass({_args_repr(self.numbers)})"
 
@@ -418,6 +448,10 @@ def in_pass(*numbers: int) -> Selector:
             remedy="Pass numbers start at 1: bl.in_pass(1) is the first backward pass.",
         )
     return _InPass(tuple(numbers))
+
+
+#: Term kinds that match backward objects only (nodes, node calls, passes, sides), never a forward op.
+BACKWARD_TERMS = frozenset({"grad_fn", "without_op", "grad_input", "grad_output", "in_pass"})
 
 
 # -- composition ------------------------------------------------------------------
@@ -445,6 +479,9 @@ class _All(Selector):
     def to_json(self) -> dict[str, Any]:
         return {"kind": "all", "items": [item.to_json() for item in self.items]}
 
+    def terms(self) -> list[tuple[str, bool]]:
+        return [term for item in self.items for term in item.terms()]
+
     def __repr__(self) -> str:
         return " & ".join(f"({item!r})" if isinstance(item, _Any) else repr(item) for item in self.items)
 
@@ -465,6 +502,9 @@ class _Any(Selector):
     def to_json(self) -> dict[str, Any]:
         return {"kind": "any", "items": [item.to_json() for item in self.items]}
 
+    def terms(self) -> list[tuple[str, bool]]:
+        return [term for item in self.items for term in item.terms()]
+
     def __repr__(self) -> str:
         return " | ".join(repr(item) for item in self.items)
 
@@ -483,6 +523,9 @@ class _Not(Selector):
     def to_json(self) -> dict[str, Any]:
         return {"kind": "not", "item": self.item.to_json()}
 
+    def terms(self) -> list[tuple[str, bool]]:
+        return [(kind, not positive) for kind, positive in self.item.terms()]
+
     def __repr__(self) -> str:
         inner = repr(self.item)
         return f"~({inner})" if isinstance(self.item, (_All, _Any)) else f"~{inner}"
@@ -500,6 +543,9 @@ class _Opaque(Selector):
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": "opaque", "repr": self.text}
+
+    def terms(self) -> list[tuple[str, bool]]:
+        return [("opaque", True)]
 
     def __repr__(self) -> str:
         return self.text

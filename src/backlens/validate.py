@@ -2,25 +2,31 @@
 
 The stock run takes its references with plain PyTorch only: parameter ``.grad``
 and, for module outputs, a forward hook that puts a tensor hook on each child
-module's output. Both runs start from the same RNG state and the same (absent)
-parameter gradients; the model's gradients are restored afterwards.
+module call's output, named by the address grammar of API.md §1 (``"shared"``
+for a module called once, ``"shared:1"``, ``"shared:2"`` for one called twice),
+so both sides name the same call the same way. Both runs start from the same
+state: parameters, buffers (BatchNorm's running statistics), absent parameter
+gradients, training modes and the RNG seeded alike. Afterwards everything is
+put back as it was, and whatever the captured run opened is closed, also when
+the model, the loss or the backward raises.
 """
 
 from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from backlens import _args
-from backlens._nested import first_tensor
+from backlens._nested import first_tensor, iter_tensors
 from backlens.capturing import capture
 from backlens.errors import BacklensWarning, UnsupportedInputError
-from backlens.graph.labels import CALL_LABEL_PATTERN, NODE_LABEL_PATTERN
+from backlens.graph.labels import CALL_LABEL_PATTERN, NODE_LABEL_PATTERN, call_label
 
 _OP_LABEL = re.compile(r"^.+_\d+$")
 
@@ -65,27 +71,83 @@ def validate(
     _args.flag(validate_layer_grads, "validate_layer_grads", "bl.validate")
     _args.integer(seed, "seed", "bl.validate", low=0, example="0")
     args, kwargs = _split_inputs(inputs)
-    saved_grads = {name: p.grad for name, p in model.named_parameters()}
     children = [address for address, _ in model.named_modules() if address]
     result = ValidationResult(ok=True)
+    start = _ModelState(model, _devices(model, args, kwargs))
     try:
-        stock_params, stock_modules = _stock_run(model, args, kwargs, loss_fn, children, seed)
-        _zero_grads(model)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            cap = capture(model, *args, save_grads=True, **kwargs)
-            _args.scalar_loss(loss_fn(cap.output), "bl.validate").backward()
+        stock_params, stock_modules = _stock_run(model, args, kwargs, loss_fn, children, seed, start)
+        start.reset()  # the captured run starts where the stock run did
+        cap = None
         try:
+            with start.seeded(seed):
+                cap = capture(model, *args, save_grads=True, **kwargs)
+                _args.scalar_loss(loss_fn(cap.output), "bl.validate").backward()
             _compare_params(model, stock_params, result)
             if validate_layer_grads:
                 _compare_modules(cap, stock_modules, children, result)
             _check_invariants(cap, result)
         finally:
-            cap.close()
+            if cap is not None:
+                cap.close()
     finally:
-        for name, p in model.named_parameters():
-            p.grad = saved_grads[name]
+        start.restore()
     return result
+
+
+class _ModelState:
+    """What a run of the model may change, as it was before the first run.
+
+    Parameter and buffer values are copied (a train-mode BatchNorm moves its
+    running statistics and ``num_batches_tracked``; a model may update a
+    parameter in place), gradients and buffer objects are kept by reference,
+    training modes per module, and the RNG of every device the model or the
+    inputs use.
+    """
+
+    def __init__(self, model: torch.nn.Module, cuda_devices: list[int]):
+        self.model = model
+        self.devices = cuda_devices
+        self.params = [(p, p.detach().clone(), p.grad) for p in model.parameters()]
+        self.buffers = [(module, name, buffer, buffer.detach().clone())
+                        for module in model.modules()
+                        for name, buffer in module.named_buffers(recurse=False) if buffer is not None]
+        self.training = [(module, module.training) for module in model.modules()]
+        self.rng = torch.get_rng_state()
+        self.cuda_rng = [torch.cuda.get_rng_state(device) for device in cuda_devices]
+
+    @contextmanager
+    def seeded(self, seed: int) -> Iterator[None]:
+        """The RNG of the run's devices starts from ``seed`` inside, and is put back after."""
+        with torch.random.fork_rng(devices=self.devices):
+            torch.manual_seed(seed)
+            yield
+
+    def reset(self) -> None:
+        """Values and modes back to the start, parameter gradients absent (for the next run)."""
+        with torch.no_grad():
+            for param, value, _grad in self.params:
+                param.copy_(value)
+                param.grad = None
+            for module, name, buffer, value in self.buffers:
+                setattr(module, name, buffer)  # the model may have replaced the object
+                buffer.copy_(value)
+        for module, training in self.training:
+            module.training = training
+
+    def restore(self) -> None:
+        """Everything as it was before ``bl.validate``: values, modes, gradients, RNG."""
+        self.reset()
+        for param, _value, grad in self.params:
+            param.grad = grad
+        torch.set_rng_state(self.rng)
+        for device, state in zip(self.devices, self.cuda_rng):
+            torch.cuda.set_rng_state(state, device)
+
+
+def _devices(model: torch.nn.Module, args: tuple, kwargs: dict) -> list[int]:
+    """The CUDA devices whose RNG a run of ``model`` on these inputs may draw from."""
+    tensors = [*model.parameters(), *model.buffers(), *iter_tensors((args, kwargs))]
+    return sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
 
 
 def _split_inputs(inputs: Any) -> tuple[tuple, dict]:
@@ -98,21 +160,17 @@ def _split_inputs(inputs: Any) -> tuple[tuple, dict]:
     return (inputs,), {}
 
 
-def _zero_grads(model: torch.nn.Module) -> None:
-    for p in model.parameters():
-        p.grad = None
-
-
-def _stock_run(model, args, kwargs, loss_fn, children, seed):
-    _zero_grads(model)
-    module_grads: dict[str, list[torch.Tensor]] = {}
+def _stock_run(model, args, kwargs, loss_fn, children, seed, start: _ModelState):
+    """Parameter gradients and each child module call's output gradients of a plain run."""
+    start.reset()
+    module_grads: dict[tuple[str, int], list[torch.Tensor]] = {}
     counts: dict[str, int] = {}
     modules = dict(model.named_modules())
 
     def keep(address: str):
         def hook(module, _inputs, output):
             counts[address] = counts.get(address, 0) + 1
-            call = address if counts[address] == 1 else f"{address}:{counts[address]}"
+            call = (address, counts[address])
             first = first_tensor(output)
             if first is not None and first.requires_grad:
                 first.register_hook(lambda g: module_grads.setdefault(call, []).append(g))
@@ -122,15 +180,17 @@ def _stock_run(model, args, kwargs, loss_fn, children, seed):
     try:  # registered inside the try: a Ctrl-C between two registrations leaves none behind
         for address in children:
             handles.append(modules[address].register_forward_hook(keep(address)))
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with start.seeded(seed):
             output = model(*args, **kwargs)
             _args.scalar_loss(loss_fn(output), "bl.validate").backward()
     finally:
         for handle in handles:
             handle.remove()
     params = {name: (p.grad.clone() if p.grad is not None else None) for name, p in model.named_parameters()}
-    return params, module_grads
+    # Named as API.md §1 names a call: the address when the module ran once, "address:k" otherwise.
+    named = {(address if counts[address] == 1 else call_label(address, k)): grads
+             for (address, k), grads in module_grads.items()}
+    return params, named
 
 
 def _compare_params(model, stock, result: ValidationResult) -> None:

@@ -38,10 +38,9 @@ from backlens.capture.state import CallEntry, CaptureState, PassEntry
 from backlens.capture.views import InputNode, NodeView
 from backlens.errors import NonFiniteGradError
 from backlens.graph import engine
-from backlens.graph.discovery import walk_bounded
+from backlens.graph.discovery import walk, walk_bounded
 
 _now = time.perf_counter_ns
-_task_id = _torch.graph_task_id_function()
 _sequence_nr = _torch.sequence_nr
 _thread = threading.get_ident
 
@@ -72,6 +71,8 @@ class BackwardRecorder:
         detect_nonfinite: bool = False,
     ):
         self._state = weakref.ref(state)
+        # The id of the engine run executing on this thread (-1 outside one; always -1 on a torch without it).
+        self._task_id = _torch.graph_task_id_function()
         # The parts of the state the hooks write, held directly (no lookup per fire).
         self.table = state.table
         self.calls = state.calls
@@ -234,19 +235,10 @@ class BackwardRecorder:
                 def owner(node: Any) -> Any:
                     return next((p for p in others if p.forward_node(node)), None)
 
-                seen: set[Any] = set()
-                queue = list(self._exits)
-                while queue:
-                    node = queue.pop()
-                    if node is None or node in seen:
-                        continue
-                    seen.add(node)
+                for node in walk(self._exits, lambda node: owner(node) is not None).stopped:
                     at = owner(node)
-                    if at is not None:
-                        if at not in found:
-                            found.append(at)
-                        continue
-                    queue.extend(child for child, _ in node.next_functions)
+                    if at not in found:
+                        found.append(at)
             self._upstream = [weakref.ref(p) for p in found]
         return [p for p in (ref() for ref in self._upstream) if p is not None and p.armed]
 
@@ -325,6 +317,10 @@ class BackwardRecorder:
         else:
             state = self._state()  # alive: a collected state disarmed this recorder
             sides = [policy.sides(state.view(NodeView, i), number) for i in range(len(self.table))]
+        node_edits = {}
+        if self.edits is not None and self.edits.node_sites:
+            state = self._state()
+            node_edits = self.edits.node_edits(state, number, len(self.table))
         pass_ = PassEntry(
             number=number,
             trigger=run.trigger,
@@ -335,6 +331,7 @@ class BackwardRecorder:
             start_ns=_now(),
             run=run,
             sides=sides,
+            node_edits=node_edits,
             kept_inputs=self._kept_inputs(policy, number),
             seq_start=_sequence_nr(),
         )
@@ -440,18 +437,18 @@ class BackwardRecorder:
 
     def open_call(self) -> CallEntry | None:
         """The fire of this capture's graph running on this thread now (None outside its passes)."""
-        pass_ = self._pass if _task_id() == self._task else None
+        pass_ = self._pass if self._task_id() == self._task else None
         opened = pass_.run.open.get(_thread()) if pass_ is not None and pass_.run is not None else None
         return next((entry for r, entry, _p in opened[1:] if r is self), None) if opened else None
 
     def close_stale(self) -> None:
         """Backstop: close implicit passes whose engine run has drained."""
         if any(p.status == "running" and not p.run.explicit for p in self.passes):
-            engine.close_stale_implicit_runs(_task_id())
+            engine.close_stale_implicit_runs(self._task_id())
 
     # -- hooks (hot path) --------------------------------------------------
     def _current(self, index: int) -> PassEntry | None:
-        task = _task_id()
+        task = self._task_id()
         if task == self._task and self.hooking:
             return self._pass
         return self._resolve_pass(index, task)
@@ -506,7 +503,7 @@ class BackwardRecorder:
     # only an edit's error and a non-finite gradient (detect_nonfinite) reach it.
     def _on_pre(self, index: int, grad_outputs: tuple) -> tuple | None:
         try:
-            task = _task_id()
+            task = self._task_id()
             pass_ = self._pass if task == self._task and self.hooking else self._resolve_pass(index, task)
             if pass_ is None:
                 return None
@@ -530,6 +527,9 @@ class BackwardRecorder:
             return None
         edit = self.pre_edits.get(index)
         replaced = edit(grad_outputs, pass_) if edit is not None else None
+        node_edit = pass_.node_edits.get(index) if pass_.node_edits else None
+        if node_edit is not None:
+            replaced = node_edit(replaced if replaced is not None else grad_outputs, pass_)
         try:
             create_graph = pass_.create_graph
             arriving = replaced if replaced is not None else grad_outputs
@@ -561,7 +561,7 @@ class BackwardRecorder:
         """A non-leaf input's gradient arrives at its grad_fn (a node of another graph)."""
         pass_ = None
         try:
-            task = _task_id()
+            task = self._task_id()
             pass_ = self._pass if task == self._task and self.hooking else None
             if pass_ is None:
                 if not self.hooking:

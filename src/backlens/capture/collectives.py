@@ -213,11 +213,12 @@ def _unit_param_names(unit: torch.nn.Module, addresses: dict[int, str], units: l
     while pending:
         address, module = pending.pop()
         here = f"{address}." if address else ""
-        for name, param in module._parameters.items():
+        own_params, _own_buffers, own_children = _torch.module_parts(module)
+        for name, param in own_params:
             if param is not None and id(param) not in seen:
                 seen.add(id(param))
                 names.append(here + name)
-        children = [(here + name, child) for name, child in module._modules.items()
+        children = [(here + name, child) for name, child in own_children
                     if child is not None and id(child) not in nested]
         pending.extend(reversed(children))
     return tuple(names)

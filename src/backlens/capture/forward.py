@@ -14,6 +14,7 @@ op entries are built from those rows when first read.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from bisect import bisect_right
@@ -30,8 +31,8 @@ from backlens.capture.views import OpView
 from backlens.graph.labels import call_label, op_name, split_call
 
 Tensor = torch.Tensor
-_sequence_nr = _torch.sequence_nr_function()
 _disable_torch_function = _torch.torch_function_disabled
+_weak = weakref.ref
 
 
 @dataclass(slots=True)
@@ -327,7 +328,11 @@ class ForwardRecorder(TorchFunctionMode):
         self.activations = activations
         # An op hook may replace an op's output (activation edits); None keeps the hot path lean.
         self.op_hook = op_hook
+        # Where each tensor the forward has seen came from, by id(): op index, or -1 - source.
+        # An id outlives its tensor (CPython reuses it), so each is checked against a weak
+        # reference to the tensor it was noted for before it counts as a parent.
         self._ids: dict[int, int] = {}
+        self._alive: dict[int, weakref.ref] = {}
         self._module_stack: list[int] = []
         self._addresses: dict[int, str] = {}
         self._raw = journal.raw_ops
@@ -336,6 +341,14 @@ class ForwardRecorder(TorchFunctionMode):
         self.module_output_hook: Callable[[ModuleCallEntry, Any], Any] | None = None
         # Records each op's arguments for differentiable replay (capture/replay_record.py), or None.
         self.replay: Any = None
+        # Autograd's sequence numbers bracket the nodes each op and module call made. On a torch
+        # without them a counter stands in (every op then looks as if it made a node, so none is
+        # dropped as an identity) and each op notes its output's node: nodes are paired by identity.
+        with_sequence = _torch.HAS_SEQUENCE_NR
+        self._seq = _torch.sequence_nr_function() if with_sequence else itertools.count(1).__next__
+        self._every_output_node = not with_sequence
+        # Set while the recorder reads module outputs itself on a torch without DisableTorchFunction.
+        self._own_read = False
 
     def record_replay(self, recording: Any) -> None:
         """Record every op's call into ``recording`` (a ReplayRecording) during the forward."""
@@ -346,11 +359,12 @@ class ForwardRecorder(TorchFunctionMode):
     def register_sources(self, kind: str, named: Iterable[tuple[str, Tensor]]) -> list[int]:
         """Note tensors that exist before the forward; returns their source indices."""
         names = self.journal.source_names
-        ids = self._ids
+        ids, alive = self._ids, self._alive
         start = len(names)
         for name, tensor in named:
             names.append(name)
             ids[id(tensor)] = -len(names)
+            alive[id(tensor)] = weakref.ref(tensor)
         self.journal.source_kinds.extend([kind] * (len(names) - start))
         return list(range(start, len(names)))
 
@@ -383,7 +397,7 @@ class ForwardRecorder(TorchFunctionMode):
         parent = stack[-1] if stack else None
         call = ModuleCallEntry(
             index, address, len(journal.calls_of(address)) + 1, parent,
-            op_start=len(self._raw), seq_start=_sequence_nr(),
+            op_start=len(self._raw), seq_start=self._seq(),
         )
         journal.note_call(call)
         stack.append(index)
@@ -391,10 +405,13 @@ class ForwardRecorder(TorchFunctionMode):
             output = original(module, *args, **kwargs)
         finally:
             stack.pop()
-        with _disable_torch_function():
+        with _disable_torch_function() if _torch.HAS_DISABLE_TORCH_FUNCTION else _OwnRead(self):
             if self.module_output_hook is not None:
-                output = self.module_output_hook(call, output)
-            call.seq_end = _sequence_nr()
+                edited = self.module_output_hook(call, output)
+                if edited is not output:
+                    self._take_place(first_tensor(output), first_tensor(edited))
+                output = edited
+            call.seq_end = self._seq()
             call.op_end = len(self._raw)
             first = output if isinstance(output, Tensor) else first_tensor(output)
             if self.replay is not None:
@@ -410,9 +427,12 @@ class ForwardRecorder(TorchFunctionMode):
 
     # -- ops (hot path) ----------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        before = _sequence_nr()
+        if self._own_read:
+            return func(*args, **kwargs) if kwargs else func(*args)
+        seq = self._seq
+        before = seq()
         out = func(*args, **kwargs) if kwargs else func(*args)
-        after = _sequence_nr()
+        after = seq()
         if isinstance(out, Tensor):
             if after == before and args and out is args[0]:
                 return out  # identity (contiguous on a contiguous tensor, .to same dtype)
@@ -426,25 +446,27 @@ class ForwardRecorder(TorchFunctionMode):
             outputs = None
         else:
             return out
-        ids = self._ids
+        ids, alive = self._ids, self._alive
         refs = self._parent_refs
         refs_start = len(refs)
-        _collect(args, ids, refs)
+        _collect(args, ids, alive, refs)
         if kwargs:
-            _collect(kwargs.values(), ids, refs)
+            _collect(kwargs.values(), ids, alive, refs)
         index = len(self._raw)
         if self.replay is not None:
             self.replay.record(index, args, kwargs, outputs, primary)
         if outputs is None:
             ids[id(primary)] = index
+            alive[id(primary)] = _weak(primary)
         else:
             for item in outputs:
                 if isinstance(item, Tensor):
                     ids[id(item)] = index
+                    alive[id(item)] = _weak(item)
         stack = self._module_stack
         output_node = None
         output_nr = 0
-        if after - before > 1:
+        if after - before > 1 or self._every_output_node:
             # Several nodes were made; remember which one is the output's.
             output_node = primary.grad_fn
             output_nr = primary.output_nr
@@ -466,14 +488,44 @@ class ForwardRecorder(TorchFunctionMode):
             if self.replay is not None and out is not primary:
                 self.replay.keep_other_outputs(index, out)
         if self.op_hook is not None:
-            out = self.op_hook(entry, out)
+            edited = self.op_hook(entry, out)
+            if edited is not out:
+                self._take_place(primary, first_tensor(edited))
+            out = edited
         return out
+
+    def _take_place(self, original: Tensor | None, edited: Tensor | None) -> None:
+        """An edited output stands where the original stood: ops that read it have the
+        original's op (or source) as their parent."""
+        if original is None or edited is None or edited is original:
+            return
+        found = self._ids.get(id(original))
+        held = self._alive.get(id(original))
+        if found is not None and held is not None and held() is original:
+            self._ids[id(edited)] = found
+            self._alive[id(edited)] = weakref.ref(edited)
 
     def finish(self, output: Any = None) -> None:
         """Drop the forward-time lookup tables (after the forward that returned ``output``)."""
         if self.replay is not None:
             self.replay.finish(output)
         self._ids = {}
+        self._alive = {}
+
+
+class _OwnRead:
+    """The recorder's own reads pass through its function mode (without DisableTorchFunction)."""
+
+    __slots__ = ("recorder",)
+
+    def __init__(self, recorder: ForwardRecorder):
+        self.recorder = recorder
+
+    def __enter__(self) -> None:
+        self.recorder._own_read = True
+
+    def __exit__(self, *exc: Any) -> None:
+        self.recorder._own_read = False
 
 
 class _ModuleCalls:
@@ -529,11 +581,11 @@ class _ModuleCalls:
 _MODULE_CALLS = _ModuleCalls()
 
 
-def _collect(items: Any, ids: dict[int, int], refs: list[int]) -> None:
+def _collect(items: Any, ids: dict[int, int], alive: dict[int, weakref.ref], refs: list[int]) -> None:
     for item in items:
         if isinstance(item, Tensor):
             found = ids.get(id(item))
-            if found is not None:
+            if found is not None and alive[id(item)]() is item:  # not a dead tensor's reused id
                 refs.append(found)
         elif isinstance(item, (list, tuple)):
-            _collect(item, ids, refs)
+            _collect(item, ids, alive, refs)

@@ -1,6 +1,17 @@
 """Armed edits on one capture: activation edits in the forward, gradient edits
 through node pre-hooks in every pass. Every application is journalled with the
-tensor norms before and after."""
+tensor norms before and after.
+
+A gradient site names op outputs (a label, a module address, a selector of
+forward terms: ``bl.func``, ``bl.label``, ``bl.module``), edited in every
+pass at the node that made them, or node calls: a selector with a backward
+term (``bl.grad_fn``, ``bl.without_op``, ``bl.in_pass``, ``bl.grad_output``),
+or one that matched no op (a node label, a custom selector), is asked about
+every node when each pass opens, as a save policy is, and edits the
+gradients arriving at each node it matches in that pass. A combination that
+cannot name a gradient there is refused when the capture is made; a site
+that matches nothing warns (``edit_site_matched_nothing``).
+"""
 
 from __future__ import annotations
 
@@ -10,12 +21,18 @@ from typing import Any
 import torch
 
 from backlens._nested import replace_first_tensor
+from backlens._warn import warn
 from backlens.capture.forward import OpEntry
+from backlens.capture.policy import GradSite
 from backlens.capture.state import EditApplication
-from backlens.capture.views import OpView
+from backlens.capture.unmatched import ruled_out_passes
+from backlens.capture.views import NodeView, OpView
 from backlens.edits import EditContext, Intervention, apply_checked
-from backlens.errors import BackwardUnavailableError
+from backlens.errors import BackwardUnavailableError, UnsupportedInputError
 from backlens.graph.labels import label_not_found, split_call
+from backlens.select import BACKWARD_TERMS
+
+MATCHED_NOTHING = "edit_site_matched_nothing"
 
 
 def _names_call(site: str, call: Any) -> bool:
@@ -39,7 +56,12 @@ class ArmedEdits:
         for intervention in interventions:
             for part in intervention.site.parts():
                 for target in part.targets:
+                    if not isinstance(target, str):
+                        _check_selector_site(target, part.gradient)
                     (self.gradient if part.gradient else self.activation).append((target, intervention))
+        # Gradient sites asked about every node when each pass opens (see the module docstring).
+        self.node_sites: list[tuple[Any, Intervention]] = []
+        self._ruled_out_warned: set[str] = set()
         self.forward_applications = forward_applications  # the state's forward_edits
         # (position in forward_applications, module call) of the applications made in the forward.
         self._forward_calls: list[tuple[int, int | None]] = []
@@ -129,6 +151,16 @@ class ArmedEdits:
                 names = {journal.call_label(c.index) for c in calls} | {c.address for c in calls}
                 raise label_not_found("op or module", target, sorted(labels | names))
 
+    def warn_unmatched_activation_sites(self, state: Any) -> None:
+        """After the forward: an activation selector site that edited no op warns."""
+        for target, intervention in self.activation:
+            if isinstance(target, str) or any(a.site == repr(target) for a in self.forward_applications):
+                continue
+            if not any(target.matches(state.view(OpView, op.index)) for op in state.journal.ops):
+                funcs = sorted({op.name for op in state.journal.ops})
+                warn(f"The edit {intervention!r} matched no op of the forward, so it edited nothing. Op "
+                     f"functions that ran: {', '.join(funcs[:12]) or 'none'}.", MATCHED_NOTHING)
+
     # -- backward ------------------------------------------------------------
     def find_gradient_sites(self, state: Any) -> None:
         """Every op and module call a gradient site names, to arm as their nodes are found."""
@@ -138,9 +170,65 @@ class ArmedEdits:
             if isinstance(target, str):
                 self._pending += [("op", op.index, intervention, site) for op in journal.ops if op.label == target]
                 self._pending += [("module", call, intervention, site) for call in journal.resolve(target) or ()]
+                continue
+            ops = [] if _names_node_calls(target) else [
+                op.index for op in journal.ops if target.matches(state.view(OpView, op.index))]
+            if ops:
+                self._pending += [("op", index, intervention, site) for index in ops]
             else:
-                self._pending += [("op", op.index, intervention, site) for op in journal.ops
-                                  if target.matches(state.view(OpView, op.index))]
+                self.node_sites.append((target, intervention))
+
+    # -- gradient sites resolved per pass ------------------------------------
+    def node_edits(self, state: Any, pass_number: int, count: int) -> dict[int, Any]:
+        """For a pass opening: node index -> pre-hook body editing what arrives at that node,
+        for every node-call site matching it in this pass (of the first ``count`` nodes)."""
+        per_node: dict[int, list[tuple[Any, Intervention]]] = {}
+        for target, intervention in self.node_sites:
+            scope = target.pass_scope(pass_number)
+            if scope is False:
+                self._warn_ruled_out(target, intervention, pass_number)
+                continue
+            matched = [index for index in range(count)
+                       if target.matches(GradSite(state.view(NodeView, index), pass_number, "grad_output"))]
+            if not matched:
+                types = sorted({state.nodes[i].type for i in range(count)})
+                warn(f"The edit {intervention!r} matched no node of backward pass {pass_number}, so it edits "
+                     f"nothing there. Node types in the graph: {', '.join(types[:12]) or 'none'}.",
+                     MATCHED_NOTHING, in_hook=True)
+            for index in matched:
+                per_node.setdefault(index, []).append((target, intervention))
+        return {index: self._node_edit(state, index, sites) for index, sites in per_node.items()}
+
+    def _warn_ruled_out(self, target: Any, intervention: Any, number: int) -> None:
+        if repr(target) in self._ruled_out_warned:
+            return
+        when = ruled_out_passes(target.pass_scope, number)
+        if when is not None:
+            self._ruled_out_warned.add(repr(target))
+            warn(f"The edit {intervention!r} matched nothing in backward pass {number}, and {when} "
+                 "(pass numbers start at 1).", MATCHED_NOTHING, in_hook=True)
+
+    def _node_edit(self, state: Any, index: int, sites: list[tuple[Any, Intervention]]):
+        """A pre-hook body editing every gradient arriving at node ``index``."""
+        view = state.view(NodeView, index)
+        op = view.op.label if view.op is not None else None
+        module = view.module_call
+
+        def pre(grad_outputs: tuple, pass_: Any) -> tuple:
+            grads = list(grad_outputs)
+            for target, intervention in sites:
+                site = repr(target)
+                for position, value in enumerate(grads):
+                    if value is None:
+                        continue
+                    ctx = EditContext(site, op, module, pass_.number, application=self._next(intervention))
+                    new = apply_checked(intervention.edit, value, ctx)
+                    pass_.edits.append(EditApplication(site, repr(intervention.edit), op, module, pass_.number,
+                                                       _norm(value), _norm(new)))
+                    grads[position] = new
+            return tuple(grads)
+
+        return pre
 
     def arm(self, state: Any, pre_edits: dict[int, Any]) -> None:
         """Put each pending gradient edit on the pre-hook of the node its site's output came from."""
@@ -182,3 +270,30 @@ class ArmedEdits:
             return tuple(grads)
 
         return pre
+
+
+def _names_node_calls(selector: Any) -> bool:
+    """Whether a selector has a term only backward objects answer (so it names node calls)."""
+    return any(kind in BACKWARD_TERMS for kind, _positive in selector.terms())
+
+
+def _check_selector_site(selector: Any, gradient: bool) -> None:
+    """Refuse, when the capture is made, a selector site that could never name what it edits."""
+    terms = selector.terms()
+    if not gradient and any(kind in BACKWARD_TERMS for kind, _positive in terms):
+        raise UnsupportedInputError(
+            f"The activation site {selector!r} has backward terms (bl.grad_fn, bl.without_op, bl.in_pass, "
+            "bl.grad_input, bl.grad_output): an activation site is matched against forward ops, which those "
+            "never match, so it would edit nothing.",
+            code="activation_site_backward_selector",
+            remedy=f"To edit gradients wrap it: bl.grad({selector!r}); to edit activations select ops with "
+            "bl.func, bl.label or bl.module.",
+        )
+    if gradient and ("grad_input", True) in terms:
+        raise UnsupportedInputError(
+            f"The gradient site bl.grad({selector!r}) selects bl.grad_input(): an edit site edits the gradient "
+            "arriving at a node (its grad_output side); the gradients a node sends on are what arrives at "
+            "the nodes after it, so grad_input names no gradient an edit can replace here.",
+            code="grad_input_edit_site",
+            remedy="Drop bl.grad_input() and select the nodes those gradients reach (or bl.grad_output()).",
+        )

@@ -9,7 +9,8 @@ the state recorded:
 * a node made inside the forward is paired with the op whose sequence-number
   bracket holds its own (a custom Function's node with the last op its forward
   ran: the op made its output), else inferred from the innermost module call
-  around it;
+  around it; on a torch without sequence numbers, with the first op whose
+  output it made (by identity), else with nothing;
 * a node a pass made (``create_graph=True``) has its creator's order + 1 and
   module: the creator is the fire whose bracket holds the node's number.
 """
@@ -24,8 +25,9 @@ from backlens.graph.labels import owning_module
 from backlens.graph.table import Pairing
 
 
-def describe_node(state: Any, type_name: str, seq: int | None, is_custom: bool, source: int | None) -> Pairing:
-    """The pairing of one node of ``state`` (a CaptureState)."""
+def describe_node(state: Any, type_name: str, seq: int | None, is_custom: bool, source: int | None,
+                  index: int | None = None) -> Pairing:
+    """The pairing of one node (at ``index``) of ``state`` (a CaptureState)."""
     journal = state.journal
     if type_name == "AccumulateGrad":
         if source is None:
@@ -51,6 +53,12 @@ def describe_node(state: Any, type_name: str, seq: int | None, is_custom: bool, 
         if call is not None:
             return Pairing(module_call=call.index, module_source="inferred")
         return Pairing()
+    if seq is None and index is not None:
+        op_index = state.slots.op_of_node.get(index)
+        if op_index is not None:
+            module_call = journal.module_call_of_op(op_index)
+            return Pairing(op=op_index, module_call=module_call,
+                           module_source="paired" if module_call is not None else None)
     order, creator = _created_by(state, seq)
     if creator is not None:
         module_call = state.table.built()[creator].module_call

@@ -36,7 +36,8 @@ from backlens.errors import BacklensWarning, ReplayError
 from backlens.graph.labels import label_not_found
 
 Tensor = torch.Tensor
-_sequence_nr = _torch.sequence_nr_function()
+def _sequence_nr() -> int:
+    return _torch.sequence_nr_function()()
 
 
 def _norm(tensor: Tensor) -> float:
@@ -221,7 +222,8 @@ class Replay:
         else:
             outputs = [args[0]]  # an in-place op returning None (setitem)
         primary = outputs[0]
-        several = after - before > 1  # as the recorder does: name the output's node when there are several
+        # As the recorder does: name the output's node when there are several (or no sequence numbers).
+        several = after - before > 1 or not _torch.HAS_SEQUENCE_NR
         output_node = primary.grad_fn if several else None
         output_nr = primary.output_nr if several else 0
         self._fork_op_of[index] = len(entries)

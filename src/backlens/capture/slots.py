@@ -28,6 +28,8 @@ class GradSlots:
     input: dict[int, tuple[int, int]] = field(default_factory=dict)  # input -> (node, output_nr)
     # op -> index of the node that made its output (None until found), for ops that made several.
     _explicit_op: dict[int, int | None] = field(default_factory=dict)
+    # node index -> the first op whose output it made (the node's pairing where sequence numbers are missing).
+    op_of_node: dict[int, int] = field(default_factory=dict)
     _mapped: int = 0
     _unresolved: list[tuple[str, int, Any, int]] | None = None
 
@@ -50,6 +52,8 @@ class GradSlots:
                 self.module[key] = index
             elif kind == "op":
                 self._explicit_op[key] = index
+                self.op.setdefault(key, index)
+                self.op_of_node.setdefault(index, key)
             else:
                 self.input[key] = (index, output_nr)
         self._unresolved = still

@@ -121,6 +121,7 @@ class PassEntry:
     calls: list[int] = field(default_factory=list)  # call entry indices, in firing order
     run: Any = None  # the engine run (graph/engine.py)
     sides: list[int] = field(default_factory=list)  # per node: which gradients this pass keeps
+    node_edits: dict[int, Any] = field(default_factory=dict)  # per node: the edit sites matching it this pass
     kept_inputs: frozenset[int] = frozenset()  # non-leaf inputs whose gradient this pass keeps
     created_roots: list[Any] = field(default_factory=list)
     seq_start: int | None = None
@@ -170,6 +171,7 @@ class CaptureState:
         self.inference_only = False
         self.inference_cause: str | None = None
         self.backward_requested = True
+        self.backward_unavailable: str | None = None  # why this torch cannot record a backward (a capability)
         self.flops_enabled = False
         self.rank: int | None = None  # under torch.distributed: this process's rank and the world size
         self.world_size: int | None = None

@@ -60,18 +60,27 @@ class UnmatchedSelectorWarner:
     def _ruled_out(self, spec: Any, scope: Any, number: int) -> None:
         """A pass the selector rules out: warn (once per selector) when it allowed no pass so far and
         does not allow the next one either."""
-        if scope(number + 1) is not False or repr(spec) in self._ruled_out_warned:
+        if repr(spec) in self._ruled_out_warned:
             return
-        if any(scope(k) is not False for k in range(1, number)):
-            return  # it selected an earlier pass (bl.in_pass(1) during pass 2): nothing is amiss
+        when = ruled_out_passes(scope, number)
+        if when is None:
+            return
         self._ruled_out_warned.add(repr(spec))
-        first = next((k for k in range(number + 2, number + _LOOK_AHEAD) if scope(k) is not False), None)
-        when = (f"it selects no pass before pass {first}" if first is not None
-                else "it selects no later pass at all")
         _warn(
             f"save_grads={spec!r} matched nothing in backward pass {number}: no gradient was saved, and {when} "
             "(pass numbers start at 1). Check bl.in_pass(...) against the passes you run.",
         )
+
+
+def ruled_out_passes(scope: Any, number: int) -> str | None:
+    """For a pass ``number`` that a selector's ``in_pass`` terms rule out: why that looks like
+    a mistake (it allowed no earlier pass and allows not the next one either), or None."""
+    if scope(number + 1) is not False:
+        return None
+    if any(scope(k) is not False for k in range(1, number)):
+        return None  # it selected an earlier pass (bl.in_pass(1) during pass 2): nothing is amiss
+    first = next((k for k in range(number + 2, number + _LOOK_AHEAD) if scope(k) is not False), None)
+    return f"it selects no pass before pass {first}" if first is not None else "it selects no later pass at all"
 
 
 def warn_if_no_activation_kept(spec: Any, journal: Any) -> None:

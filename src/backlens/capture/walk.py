@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from backlens import _torch
 from backlens._nested import iter_named_tensors
 
 
@@ -27,17 +28,17 @@ def walk_model(model: torch.nn.Module) -> tuple[dict[int, str], dict[str, str], 
         addresses[id(module)] = address
         types[address] = type(module).__name__
         prefix = f"{address}." if address else ""
-        for name, param in module._parameters.items():
+        own_params, own_buffers, children = _torch.module_parts(module)
+        for name, param in own_params:
             if param is not None and id(param) not in seen:
                 seen.add(id(param))
                 params[prefix + name] = param
-        for name, buffer in module._buffers.items():
+        for name, buffer in own_buffers:
             if buffer is not None and id(buffer) not in seen:
                 seen.add(id(buffer))
                 buffers[prefix + name] = buffer
-        children = module._modules
         if children:
-            pending.extend((prefix + name, child) for name, child in reversed(children.items()) if child is not None)
+            pending.extend((prefix + name, child) for name, child in reversed(children) if child is not None)
     return addresses, types, params, buffers
 
 

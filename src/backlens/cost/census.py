@@ -22,7 +22,6 @@ from backlens.cost.checkpoint import recompute_probe
 from backlens.cost.counting import CountingMode
 from backlens.cost.formulas import op_name
 
-_current_node = _torch.current_autograd_node_function()
 _grad_enabled = torch.is_grad_enabled
 
 
@@ -46,13 +45,14 @@ class BackwardCensus(CountingMode):
         self.formula_errors: list[str] = []
         self.aten: tuple[list, list, list[int], list[bool]] = ([], [], [], [])
         self._funcs, self._nodes, self._flops, self._grad = self.aten
+        self._current_node = _torch.current_autograd_node_function()
         self._recomputing = recompute_probe(create_graph)
         self.recompute_known = self._recomputing is not None
         self.closed = False  # its pass closed: it must no longer be on torch's mode stack
 
     def seen(self, func: Any, counter: Any, args: tuple, kwargs: dict | None, out: Any) -> None:
         self.aten_calls += 1
-        node = _current_node()
+        node = self._current_node()
         if counter is None:
             self._funcs.append(func)
             self._nodes.append(node)

@@ -24,9 +24,7 @@ _grad_enabled = torch.is_grad_enabled
 
 def is_recomputation_hook(pack_hook: object) -> bool:
     """Whether a pack hook is ``torch.utils.checkpoint``'s recomputation hook."""
-    qualname = getattr(pack_hook, "__qualname__", "") or ""
-    module = getattr(pack_hook, "__module__", "") or ""
-    return qualname.startswith("_recomputation_hook.") and module.startswith("torch.utils.checkpoint")
+    return _torch.is_checkpoint_recomputation_hook(pack_hook)
 
 
 def recompute_probe(create_graph: bool) -> Callable[[], bool] | None:
@@ -34,7 +32,7 @@ def recompute_probe(create_graph: bool) -> Callable[[], bool] | None:
     the running ATen call is recomputation; ``None`` when this pass cannot tell."""
     if not create_graph:
         return _grad_enabled
-    if not _torch.HAS_TOP_SAVED_TENSORS_HOOKS:
+    if not (_torch.HAS_TOP_SAVED_TENSORS_HOOKS and _torch.HAS_RECOMPUTATION_HOOK_CLASS):
         return None
 
     def probe() -> bool:

@@ -4,9 +4,12 @@ Counts follow ``FlopCounterMode``'s conventions (2 x multiply-accumulates, only
 matmul, convolution and attention carry FLOPs) so a backlens count can be
 checked against it. The registry has no entry for the attention kernels CPU
 ``scaled_dot_product_attention`` dispatches to (nor the ``overrideable`` ones of
-out-of-tree backends); :data:`EXTRA_FORMULAS` adds them, in the registry's
-shape-level form, so ``FlopCounterMode(custom_mapping=EXTRA_FORMULAS)`` counts
-exactly what backlens counts.
+out-of-tree backends); :data:`EXTRA_FORMULAS` has them, in the registry's
+shape-level form, and the first count registers them with torch's own
+``register_flop_formula`` (where torch has none), so ``FlopCounterMode`` counts
+exactly what backlens counts (on a torch without that registration, pass
+``custom_mapping=EXTRA_FORMULAS``). The registry is reached through
+``backlens._torch`` (``flop_registry``, ``flop_formula``).
 
 :func:`plan_for` decides once per ATen overload what a counting mode does with
 it: evaluate a formula, let a composite op with no kernel of its own decompose
@@ -19,7 +22,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils.flop_counter import flop_registry, shape_wrapper
 
 from backlens import _torch
 
@@ -29,9 +31,10 @@ aten = torch.ops.aten
 Tensor = torch.Tensor
 
 
-# The registry's batched-matmul count, unwrapped: its wrapper maps shapes with a
-# pytree walk that costs more than the count and leaves cyclic garbage per call.
-_bmm = flop_registry[aten.bmm].__wrapped__
+def _bmm(a_shape: Any, b_shape: Any) -> int:
+    """The registry's batched-matmul count on shapes (unwrapped where torch allows: its
+    wrapper maps shapes with a pytree walk that costs more than the count)."""
+    return _torch.flop_formula(aten.bmm)(a_shape, b_shape)
 
 
 def sdpa_count(query_shape, key_shape, value_shape) -> int:
@@ -95,7 +98,31 @@ def _extra_formulas() -> dict[Any, Callable[..., int]]:
 #: Shape-level formulas for ops ``flop_registry`` misses; pass to
 #: ``FlopCounterMode(custom_mapping=EXTRA_FORMULAS)`` for a matching reference.
 EXTRA_FORMULAS: dict[Any, Callable[..., int]] = _extra_formulas()
-_EXTRA_WRAPPED = {packet: shape_wrapper(formula) for packet, formula in EXTRA_FORMULAS.items()}
+_extra_registered = False
+
+
+def _register_extra_formulas() -> None:
+    """Once, at the first count (never at import): torch's registry gets the formulas it lacks."""
+    global _extra_registered
+    if not _extra_registered:
+        _extra_registered = True
+        _torch.register_flop_formulas(EXTRA_FORMULAS)
+
+
+def _extra_counter(packet: Any) -> Callable[[tuple, dict | None, Any], int] | None:
+    """A counter for an op of :data:`EXTRA_FORMULAS` that the registry does not hold."""
+    formula = EXTRA_FORMULAS.get(packet)
+    if formula is None:
+        return None
+
+    def count(args: tuple, kwargs: dict | None, out: Any) -> int:
+        shapes = [a.shape if isinstance(a, Tensor) else a for a in args]
+        kwargs = {k: v.shape if isinstance(v, Tensor) else v for k, v in (kwargs or {}).items()}
+        out_shape = out.shape if isinstance(out, Tensor) else (
+            tuple(o.shape if isinstance(o, Tensor) else o for o in out) if isinstance(out, (tuple, list)) else out)
+        return formula(*shapes, out_shape=out_shape, **kwargs)
+
+    return count
 
 #: Plan: let the op decompose under the counting mode (its inner calls are counted).
 DECOMPOSE = object()
@@ -120,9 +147,11 @@ def refresh_plans() -> dict[Any, Any]:
     Called once per counted forward or backward, not per ATen call.
     """
     global _registry_size
-    if len(flop_registry) != _registry_size:
+    _register_extra_formulas()
+    size = (len(_torch.flop_registry()), _torch.HAS_SHAPE_LEVEL_FLOP_FORMULAS)
+    if size != _registry_size:
         _plans.clear()
-        _registry_size = len(flop_registry)
+        _registry_size = size
     return _plans
 
 
@@ -140,14 +169,14 @@ def plan_for(func: Any) -> Any:
     plan = _plans.get(func, _plans)
     if plan is not _plans:
         return plan
-    packet = getattr(func, "_overloadpacket", None)  # ATen overloads only; HOPs carry none
+    packet = getattr(func, "overloadpacket", None)  # ATen overloads only; HOPs carry none
     if packet is None or func in _NEVER_DECOMPOSE:
         plan = None
     elif _torch.only_decomposes(func):
         plan = DECOMPOSE
     else:
-        formula = flop_registry.get(packet) or _EXTRA_WRAPPED.get(packet)
-        plan = _counter(formula) if formula is not None else None
+        formula = _torch.flop_registry().get(packet)
+        plan = _counter(formula) if formula is not None else _extra_counter(packet)
     _plans[func] = plan
     return plan
 
@@ -161,7 +190,7 @@ def _counter(formula: Callable[..., int]) -> Callable[[tuple, dict | None, Any],
     same shapes at a fraction of the cost. Nested tensor lists and raw
     formulas (``get_raw``) take the registry's own path.
     """
-    shape_level = getattr(formula, "__wrapped__", None)
+    shape_level = _torch.shape_level_flop_formula(formula)
     if shape_level is None:
         def raw(args: tuple, kwargs: dict | None, out: Any) -> int:
             return formula(*args, **(kwargs or {}), out_val=out)
@@ -194,5 +223,5 @@ def _counter(formula: Callable[..., int]) -> Callable[[tuple, dict | None, Any],
 
 def op_name(func: Any) -> str:
     """``aten.mm`` for ``aten.mm.default``: the name reports use for an ATen call."""
-    packet = getattr(func, "_overloadpacket", None)
+    packet = getattr(func, "overloadpacket", None)
     return str(packet) if packet is not None else str(func)

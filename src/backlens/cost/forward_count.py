@@ -210,6 +210,8 @@ def replay(noted: list[tuple[int, Any, Any, Any]], num_ops: int,
             try:
                 if not (_replayable(args) and _replayable(kwargs)):
                     raise TypeError("an argument other than tensors and plain values cannot be replayed safely")
+                if not _torch.HAS_FLOP_REGISTRY:
+                    raise RuntimeError("this torch has no FLOP formula registry (bl.doctor(): HAS_FLOP_REGISTRY)")
                 with _torch.dispatch_mode(counter):
                     func(*_meta(args), **(_meta(kwargs) or {}))
             except Exception as exc:  # noqa: BLE001 - data-dependent or device-bound ops cannot replay
@@ -221,6 +223,6 @@ def replay(noted: list[tuple[int, Any, Any, Any]], num_ops: int,
 
 
 def _failure(index: int, func: Any, exc: Exception) -> dict[str, Any]:
-    name = op_name(func) if hasattr(func, "_overloadpacket") else getattr(func, "__name__", str(func))
+    name = op_name(func) if hasattr(func, "overloadpacket") else getattr(func, "__name__", str(func))
     first_line = str(exc).splitlines()[0] if str(exc) else ""
     return {"op_index": index, "func": name, "error": f"{type(exc).__name__}: {first_line}"}

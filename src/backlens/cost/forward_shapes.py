@@ -18,16 +18,23 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.utils.flop_counter import flop_registry
 
+from backlens import _torch
 from backlens.cost.formulas import sdpa_count
 
 aten = torch.ops.aten
-# The registry's shape-level formulas, unwrapped: the registered ``addmm`` and
-# ``baddbmm`` call the *wrapped* ``mm``/``bmm``, whose pytree walk costs more
-# than the count and leaves cyclic garbage per call.
-_mm = flop_registry[aten.mm].__wrapped__
-_bmm = flop_registry[aten.bmm].__wrapped__
+
+
+# The registry's shape-level formulas (unwrapped where torch allows): the registered
+# ``addmm`` and ``baddbmm`` call the *wrapped* ``mm``/``bmm``, whose pytree walk costs
+# more than the count and leaves cyclic garbage per call. Looked up when counting,
+# never at import; a torch without them raises here, and the op is replayed instead.
+def _mm(a_shape: Any, b_shape: Any, out_shape: Any = None) -> int:
+    return _torch.flop_formula(aten.mm)(a_shape, b_shape, out_shape=out_shape)
+
+
+def _bmm(a_shape: Any, b_shape: Any, out_shape: Any = None) -> int:
+    return _torch.flop_formula(aten.bmm)(a_shape, b_shape, out_shape=out_shape)
 
 
 def _arg(args: tuple, kwargs: dict | None, position: int, name: str) -> Any:

@@ -41,14 +41,23 @@ def _warm_dispatch_modes() -> None:
 
 def _enter_a_dispatch_mode() -> None:
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
-    class _Warm(TorchDispatchMode):
+    class _Warm(_torch.EagerDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             return func(*args, **(kwargs or {}))
 
     with _Warm():
         torch.zeros(1).add_(1)
+
+
+def torch_cannot_count() -> str | None:
+    """Why this torch cannot count a backward's FLOPs (a capability it lacks), or None."""
+    if not _torch.HAS_TORCH_DISPATCH_MODE:
+        return ("this torch has no TorchDispatchMode (bl.doctor(): HAS_TORCH_DISPATCH_MODE), so the backward's "
+                "ATen calls cannot be seen")
+    if not _torch.HAS_FLOP_REGISTRY:
+        return "this torch has no FLOP formula registry (bl.doctor(): HAS_FLOP_REGISTRY)"
+    return None
 
 
 def census_left_behind(mode: Any) -> bool:
@@ -68,8 +77,8 @@ class FlopObserver:
     """
 
     def __init__(self, cannot_count: str | None = None) -> None:
-        self._cannot_count = cannot_count
-        if cannot_count is None:
+        self._cannot_count = cannot_count or torch_cannot_count()
+        if self._cannot_count is None:
             _warm_dispatch_modes()
         self._runs: dict[int, Any] = {}
 

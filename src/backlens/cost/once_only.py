@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from backlens import _torch
-from backlens.graph.discovery import walk_new
+from backlens.graph.discovery import walk as walk_graph
 
 Fingerprint = tuple[tuple[int, ...] | None, int | None]
 
@@ -45,7 +45,7 @@ class OnceOnlyNode:
 
 def walk(roots: list[Any]) -> list[Any]:
     """Every node reachable from ``roots`` through ``next_functions``."""
-    return walk_new(roots, lambda node: False)[0]
+    return walk_graph(roots).found
 
 
 def _fingerprint(value: Any) -> Fingerprint | None:
@@ -71,15 +71,9 @@ def saved_of(node: Any) -> dict[str, Fingerprint | None]:
             if isinstance(value, torch.Tensor):
                 found[f"ctx.{name}"] = _fingerprint(value)
         return found
-    for name in dir(node):
-        if not name.startswith("_saved_") or name.endswith(("_sym_sizes", "_sym_strides")):
-            continue
-        try:
-            value = getattr(node, name)
-        except RuntimeError:
-            continue
+    for name, value in _torch.saved_tensor_attributes(node).items():
         if isinstance(value, torch.Tensor):
-            found[name[1:]] = _fingerprint(value)
+            found[f"saved_{name}"] = _fingerprint(value)
     return found
 
 

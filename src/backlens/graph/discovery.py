@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,6 +41,45 @@ def _accumulator(leaf: torch.Tensor) -> Node | None:
         return None
 
 
+@dataclass
+class GraphWalk:
+    """What one breadth-first walk of ``next_functions`` found.
+
+    ``found``: the nodes it entered, in discovery order. ``stopped``: the nodes it
+    reached and did not enter (``stop`` said so), in the order reached. ``led_by``
+    (when asked for): each entered node's first predecessor on the walk (None for
+    a root).
+    """
+
+    found: list[Node] = field(default_factory=list)
+    stopped: list[Node] = field(default_factory=list)
+    led_by: dict[Node, Node | None] = field(default_factory=dict)
+
+
+def walk(roots: Iterable[Node], stop: Callable[[Node], bool] | None = None, *,
+         parents: bool = False) -> GraphWalk:
+    """The one graph walker: breadth first from ``roots``, entering every node ``stop`` does
+    not stop at (each node once), noting each entered node's first predecessor when
+    ``parents`` is asked for. Every walk of a captured graph goes through it."""
+    result = GraphWalk()
+    found, stopped, led_by = result.found, result.stopped, result.led_by
+    seen: set[Node] = set()
+    queue = deque((root, None) for root in roots)
+    while queue:
+        node, parent = queue.popleft()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if stop is not None and stop(node):
+            stopped.append(node)
+            continue
+        found.append(node)
+        if parents:
+            led_by[node] = parent
+        queue.extend((child, node) for child, _ in node.next_functions)
+    return result
+
+
 def walk_new(
     roots: Iterable[Node], is_known: Callable[[Node], bool]
 ) -> tuple[list[Node], list[Node]]:
@@ -48,7 +88,8 @@ def walk_new(
     Returns the unknown nodes in discovery order, and the known nodes the walk
     reached (so the caller can tell whether the graph touches its own).
     """
-    return _walk(roots, is_known)
+    done = walk(roots, is_known)
+    return done.found, done.stopped
 
 
 def walk_bounded(
@@ -59,24 +100,5 @@ def walk_bounded(
     Returns the unknown nodes inside, in discovery order, and the outside nodes
     the walk reached (where the graph leaves, as into a non-leaf input's history).
     """
-    found, stopped = _walk(roots, lambda node: is_known(node) or is_outside(node))
-    return found, [node for node in stopped if not is_known(node)]
-
-
-def _walk(roots: Iterable[Node], stop: Callable[[Node], bool]) -> tuple[list[Node], list[Node]]:
-    """The nodes a breadth-first walk from ``roots`` entered, in order, and those it stopped at."""
-    seen: set[Node] = set()
-    found: list[Node] = []
-    stopped: list[Node] = []
-    queue = deque(roots)
-    while queue:
-        node = queue.popleft()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if stop(node):
-            stopped.append(node)
-            continue
-        found.append(node)
-        queue.extend(next_node for next_node, _ in node.next_functions)
-    return found, stopped
+    done = walk(roots, lambda node: is_known(node) or is_outside(node))
+    return done.found, [node for node in done.stopped if not is_known(node)]

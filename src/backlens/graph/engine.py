@@ -25,7 +25,6 @@ import os
 import sys
 import threading
 import weakref
-from collections import deque
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -35,7 +34,7 @@ import torch
 from backlens import _torch
 from backlens._fence import complete
 from backlens._frames import PACKAGE_DIR, TORCH_DIR, user_frame
-from backlens.graph.discovery import root_nodes
+from backlens.graph.discovery import root_nodes, walk
 
 
 @dataclass(frozen=True)
@@ -85,6 +84,9 @@ class Run:
     explicit: bool
     inputs: tuple[Any, ...] | None = None
     task_id: int | None = None
+    # The nodes the run starts from: the first node it runs is one of them, whichever
+    # thread runs it (held until the run is bound to its engine task).
+    roots: tuple[Any, ...] = ()
     passes: dict[Any, Any] = field(default_factory=dict)
     closed: bool = False
     open: dict[int, list] = field(default_factory=dict)
@@ -98,6 +100,10 @@ class Run:
 # Weak: a capture the user dropped stops taking part (and can be collected).
 _participants: list[weakref.ref] = []
 _runs_by_task: dict[int, Run] = {}
+# Explicit runs started and not yet bound to their engine task, in every thread. The
+# engine runs a CUDA device's nodes on that device's own thread, so a run's first hook
+# may fire in another thread than the one whose wrapper opened it.
+_unbound: list[Run] = []
 _local = threading.local()
 _lock = threading.RLock()
 # Called with every run's engine arguments before it starts (see run_arguments).
@@ -180,8 +186,10 @@ def _make_wrapper(original):
                 if refused is not None:
                     close_run(run, refused)
                     raise refused
-            pending.append(run)
             try:
+                pending.append(run)
+                with _lock:
+                    _unbound.append(run)
                 with ExitStack() as stack:
                     for participant in list(run.passes):
                         for context in participant.run_contexts(run):
@@ -218,9 +226,12 @@ def run_arguments(args, kwargs) -> tuple[bool, bool]:
 def _forget(run: Run, pending: list[Run]) -> None:
     if run in pending:
         pending.remove(run)
-    if run.task_id is not None:
-        with _lock:
+    with _lock:
+        if run in _unbound:
+            _unbound.remove(run)
+        if run.task_id is not None:
             _runs_by_task.pop(run.task_id, None)
+    run.roots = ()
 
 
 def _open_explicit_run(t_outputs, args, kwargs) -> Run | None:
@@ -252,6 +263,7 @@ def _open_explicit_run(t_outputs, args, kwargs) -> Run | None:
         create_graph=create_graph,
         explicit=True,
         inputs=tuple(inputs) if inputs else None,
+        roots=tuple(roots),
     )
     try:
         for participant in claims:
@@ -274,22 +286,15 @@ def claim(roots: list[Any], live: list[Participant], *, follow_upstream: bool = 
     node that led the walk to it.
     """
     owner_of: dict[Any, Participant] = {}
-    walked: list[Any] = []
-    led_by: dict[Any, Any] = {}
-    seen: set[Any] = set()
-    queue = deque((root, None) for root in roots)
-    while queue:
-        node, parent = queue.popleft()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
+
+    def made_by_a_forward(node: Any) -> bool:
         owner = next((p for p in live if p.forward_node(node)), None)
         if owner is not None:
             owner_of[node] = owner
-            continue
-        walked.append(node)
-        led_by[node] = parent
-        queue.extend((child, node) for child, _ in node.next_functions)
+        return owner is not None
+
+    done = walk(roots, made_by_a_forward, parents=True)
+    walked, led_by = done.found, done.led_by
     if not owner_of:
         return {}
     reached = set(owner_of.values())
@@ -398,6 +403,7 @@ def close_run(run: Run, error: BaseException | None, result: Any = None) -> Base
     run.passes.clear()
     run.shared.clear()
     run.open.clear()
+    run.roots = ()
     run.closed = True
     return raised
 
@@ -416,18 +422,13 @@ def _count_other_capture_nodes(run: Run) -> None:
 def pass_for(participant: Participant, task_id: int, node: Any) -> Any:
     """The pass ``participant`` should record a fire of ``node`` into, or None.
 
-    Binds a pending explicit run to the engine's task id on its first fire;
-    opens an implicit run for a task no wrapper saw.
+    Binds a pending explicit run to the engine's task id on its first fire
+    (whichever thread it fires in); opens an implicit run for a task no wrapper saw.
     """
     with _lock:
         run = _runs_by_task.get(task_id)
         if run is None:
-            for pending in reversed(_pending()):
-                if pending.task_id is None:
-                    pending.task_id = task_id
-                    _runs_by_task[task_id] = pending
-                    run = pending
-                    break
+            run = _bind_pending(task_id, node)
         if run is None:
             if not participant.owns(node):
                 return None  # a leaf's or a shared parameter's node in a run that is not ours
@@ -446,6 +447,27 @@ def pass_for(participant: Participant, task_id: int, node: Any) -> Any:
             # Our graph, reached only through another capture's: join the run.
             found = run.passes[participant] = participant.open_pass(run)
         return found
+
+
+def _bind_pending(task_id: int, node: Any) -> Run | None:
+    """The explicit run whose first fire this is (bound to ``task_id`` from now on), or None.
+
+    In the thread that opened it, the innermost run not yet bound (the engine runs
+    CPU nodes in the calling thread, and a nested run starts and ends inside its
+    caller's fire). In another thread (a device's own thread, on CUDA) the run that
+    starts from ``node``: the first node a run executes is one of its roots. A fire
+    that is neither is not guessed into a run: it opens an implicit one.
+    """
+    found = next((run for run in reversed(_pending()) if run.task_id is None), None)
+    if found is None:
+        found = next((run for run in reversed(_unbound) if run.task_id is None and node in run.roots), None)
+    if found is not None:
+        found.task_id = task_id
+        _runs_by_task[task_id] = found
+        if found in _unbound:
+            _unbound.remove(found)
+        found.roots = ()
+    return found
 
 
 def _close_implicit(run: Run) -> None:

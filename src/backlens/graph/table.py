@@ -55,8 +55,8 @@ class Pairing:
     source: int | None = None
 
 
-# describe(type_name, sequence_nr, is_custom, leaf_source) -> Pairing
-Describe = Callable[[str, "int | None", bool, "int | None"], Pairing]
+# describe(type_name, sequence_nr, is_custom, leaf_source, index) -> Pairing
+Describe = Callable[[str, "int | None", bool, "int | None", int], Pairing]
 
 
 class NodeTable:
@@ -148,7 +148,7 @@ class NodeTable:
                 k = self._type_counts.get(stem, 0) + 1
                 self._type_counts[stem] = k
                 sequence_nr, is_custom, source = self._facts[index]
-                pairing = describe(type_name, sequence_nr, is_custom, source)
+                pairing = describe(type_name, sequence_nr, is_custom, source, index)
                 entries.append(NodeEntry(
                     index=index,
                     label=node_label(type_name, k, index + 1),
