@@ -563,3 +563,37 @@ def test_a_finished_pass_reads_as_the_same_record_each_time():
     loss_of(cap.output).backward()
     assert cap.passes[0] is cap.last_pass and cap.last_pass.status == "ok"
     assert cap.last_pass.calls == cap.grad_fn_calls[:len(cap.last_pass.calls)]
+
+
+class _SingularValues(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.linalg.svdvals(self.lin(x))  # output 1 of its node (U, S, Vh)
+
+
+def test_an_op_whose_output_is_not_its_node_s_first_reads_the_gradient_of_that_output():
+    torch.manual_seed(0)
+    model, x = _SingularValues(), torch.randn(5, 4)
+    seed = torch.randn(4)
+    stock = []
+    cap = bl.capture(model, x, save_grads=True)
+    cap.output.register_hook(stock.append)
+    cap.output.backward(seed)
+    svdvals = cap.ops["linalg_svdvals_1"]
+    assert svdvals.grad_fn.type == "LinalgSvdBackward0"
+    assert torch.equal(svdvals.grad, stock[0])
+
+
+def test_a_gradient_edit_of_such_an_op_equals_a_stock_tensor_hook_edit():
+    torch.manual_seed(0)
+    model, x = _SingularValues(), torch.randn(5, 4)
+    twin = copy.deepcopy(model)
+    out = twin(x)
+    out.register_hook(lambda g: g * 0.5)
+    out.sum().backward()
+    cap = bl.capture(model, x, intervene=bl.when(bl.grad("linalg_svdvals_1"), bl.scale(0.5)))
+    cap.output.sum().backward()
+    assert torch.equal(model.lin.weight.grad, twin.lin.weight.grad)

@@ -465,11 +465,12 @@ class ForwardRecorder(TorchFunctionMode):
                     alive[id(item)] = _weak(item)
         stack = self._module_stack
         output_node = None
-        output_nr = 0
+        # Always: a single node may hand its op's output any of its outputs
+        # (linalg.svdvals returns output 1 of LinalgSvdBackward0).
+        output_nr = primary.output_nr
         if after - before > 1 or self._every_output_node:
             # Several nodes were made; remember which one is the output's.
             output_node = primary.grad_fn
-            output_nr = primary.output_nr
         self._raw.append((
             func, stack[-1] if stack else None, before, after, primary.shape, primary.dtype,
             1 if outputs is None else len(outputs), refs_start, len(refs), output_node, output_nr,

@@ -225,7 +225,7 @@ class Replay:
         # As the recorder does: name the output's node when there are several (or no sequence numbers).
         several = after - before > 1 or not _torch.HAS_SEQUENCE_NR
         output_node = primary.grad_fn if several else None
-        output_nr = primary.output_nr if several else 0
+        output_nr = primary.output_nr
         self._fork_op_of[index] = len(entries)
         self._values[index] = self._edited(index, outputs) if index in self.sites else outputs
         rows.append((func, None, before, after, primary.shape, primary.dtype, len(outputs), 0, 0,
