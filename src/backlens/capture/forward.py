@@ -336,6 +336,8 @@ class ForwardRecorder(TorchFunctionMode):
         self.module_output_hook: Callable[[ModuleCallEntry, Any], Any] | None = None
         # Records each op's arguments for differentiable replay (capture/replay_record.py), or None.
         self.replay: Any = None
+        # A memory=True capture's MemoryRecorder (capture/memory.py): told when each module call starts and ends.
+        self.memory: Any = None
 
     def record_replay(self, recording: Any) -> None:
         """Record every op's call into ``recording`` (a ReplayRecording) during the forward."""
@@ -387,10 +389,15 @@ class ForwardRecorder(TorchFunctionMode):
         )
         journal.note_call(call)
         stack.append(index)
+        memory = self.memory
+        if memory is not None:
+            memory.call_started(index, args, kwargs)
         try:
             output = original(module, *args, **kwargs)
         finally:
             stack.pop()
+            if memory is not None:
+                memory.call_ended(index)
         with _disable_torch_function():
             if self.module_output_hook is not None:
                 output = self.module_output_hook(call, output)
