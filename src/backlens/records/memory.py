@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backlens._pandas import data_frame
+from backlens.errors import LabelNotFoundError
 from backlens.graph.labels import call_label, owning_module
 from backlens.records.base import Record, RecordList
 
@@ -180,6 +181,14 @@ class MemoryRow(Record):
         return self._values[2]
 
     @property
+    def forward_time(self) -> float | None:
+        """Seconds a module call's forward took as recorded (None for an op row)."""
+        if self._at < len(self._state.journal.ops):
+            return None
+        found = self._state.memory.module_forward_ns.get(self._at - len(self._state.journal.ops))
+        return found / 1e9 if found is not None else None
+
+    @property
     def freed(self) -> Freed | None:
         """The pass and node call that released the last of them (None while any is held,
         and when nothing was saved here)."""
@@ -249,9 +258,50 @@ class MemoryTable(RecordList[MemoryRow]):
         """Why these numbers are incomplete (empty when they are complete)."""
         return list(self._state.memory.reasons)
 
+    def checkpoint_saving(self, modules: list[str]) -> int:
+        """The saved bytes that checkpointing these module calls (labels) together would free
+        under non-reentrant ``torch.utils.checkpoint``: what they saved that nothing outside
+        them saved, less what their checkpoints would keep that nothing else saved (their
+        tensor arguments). Negative when the checkpoints would keep more than they free."""
+        calls = []
+        for label in modules:
+            row = self[label]
+            if row.scope != "module":
+                raise LabelNotFoundError(
+                    f"{label!r} names an op; a checkpoint wraps a module call.", code="not_a_module_call",
+                    remedy="Name module calls, as cap.modules labels them ('transformer.h.0').")
+            calls.append(row._at - len(self._state.journal.ops))
+        return _checkpoint_saving(self._state, calls)
+
     def __repr__(self) -> str:
         return (f"<cap.memory: {self.saved_bytes:,} saved bytes in {self.saved_tensors} tensors "
                 f"(+{self.saved_param_bytes:,} parameter bytes), {len(self)} rows>")
+
+
+def _checkpoint_saving(state: Any, chosen: list[int]) -> int:
+    """See :meth:`MemoryTable.checkpoint_saving` (``chosen``: module call indices)."""
+    memory = state.memory
+    kinds, sizes = memory.storage_kinds, memory.storage_bytes
+    calls = state.journal.module_calls
+    chosen_set = set(chosen)
+    saved: set[int] = set()
+    kept: set[int] = set()
+    for save, storage in enumerate(memory.saved_storage):
+        if memory.saved_recomputed[save] or kinds[storage] not in NON_PARAM:
+            continue
+        saved.add(storage)
+        call = memory.saved_call[save]
+        inside = False
+        while call is not None and call < len(calls):
+            if call in chosen_set:
+                inside = True
+                break
+            call = calls[call].parent
+        if not inside:
+            kept.add(storage)
+    for call in chosen:
+        kept.update(s for s in memory.module_inputs.get(call, ()) if kinds[s] in NON_PARAM)
+    return sum(sizes[s] for s in saved) - sum(sizes[s] for s in kept)
 
 
 @dataclass(frozen=True)
@@ -271,8 +321,8 @@ class MemorySample:
 class PassMemory:
     """The live set through one backward pass (``pass_.memory``).
 
-    ``start_bytes`` is what was held before its first node call (the saved
-    tensors and the seed gradient); ``samples`` one :class:`MemorySample` after every node call;
+    ``start_bytes`` is what was held before its first node call: the saved
+    tensors (``start_saved_bytes``) and the seed gradient; ``samples`` one :class:`MemorySample` after every node call;
     ``peak_bytes`` their largest, first reached after ``peak_at``;
     ``held_at_peak`` splits it by module address (None: outside every module).
     ``recomputed`` maps each node call that ran a checkpoint's recomputation to
@@ -282,6 +332,7 @@ class PassMemory:
 
     pass_number: int
     start_bytes: int
+    start_saved_bytes: int
     samples: list[MemorySample]
     peak_bytes: int | None
     peak_at: str | None
@@ -348,8 +399,8 @@ def pass_memory(state: Any, number: int) -> PassMemory | None:
         if added:
             accumulated.append((consumed, added, node))
     curve = _sweep(count, sizes, saved, grads, accumulated)
-    start_bytes = (sum(sizes[s] for s in {storage for storage, first, _e, _s in saved if first < 0})
-                   + sum(sizes[s] for s in {storage for storage, first, _e, _n in grads if first < 0}))
+    start_saved = sum(sizes[s] for s in {storage for storage, first, _e, _s in saved if first < 0})
+    start_grads = sum(sizes[s] for s in {storage for storage, first, _e, _n in grads if first < 0})
     samples = []
     for k, (saved_now, grads_now, params_now) in enumerate(curve):
         reading = allocator.get(k + 1) if k + 1 < count else memory.pass_end_allocator.get(number)
@@ -362,7 +413,8 @@ def pass_memory(state: Any, number: int) -> PassMemory | None:
             recomputed[_call_label(state, by)].add(memory.saved_storage[save])
     return PassMemory(
         pass_number=number,
-        start_bytes=start_bytes,
+        start_bytes=start_saved + start_grads,
+        start_saved_bytes=start_saved,
         samples=samples,
         peak_bytes=samples[peak].bytes if peak is not None else None,
         peak_at=samples[peak].call if peak is not None else None,
