@@ -271,7 +271,7 @@ class ForwardJournal:
         for op in self._ops:
             op.output_node = None
         raw = self.raw_ops
-        for i in range(len(self._ops), len(raw)):
+        for i in range(len(raw)):  # built entries' rows too: they hold the same node
             if raw[i][9] is not None:
                 raw[i] = (*raw[i][:9], None, *raw[i][10:])
         for call in self.module_calls:

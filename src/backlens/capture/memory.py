@@ -43,6 +43,7 @@ _sequence_nr = _torch.sequence_nr_function()
 _disable_torch_function = _torch.torch_function_disabled
 _now = time.perf_counter_ns
 Tensor = torch.Tensor
+Parameter = torch.nn.Parameter
 
 STORAGE_KINDS = ("saved", "param", "buffer", "grad")
 UNREADABLE_STORAGE = ("a saved tensor has no storage backlens can read (a sparse or tensor-subclass tensor); "
@@ -126,6 +127,8 @@ class _StorageIndex:
         found = self._live.get(key)
         if found is not None and found[0]() is storage:
             return found[1]
+        if kind == "saved" and (isinstance(tensor, Parameter) or isinstance(tensor._base, Parameter)):
+            kind = "param"  # a parameter the model does not register (FSDP2's unsharded ones), or a view of one
         index = self._journal.add_storage(storage.nbytes(), kind)
         try:
             self._live[key] = (weakref.ref(storage), index)  # a dead one is replaced when its id comes back
