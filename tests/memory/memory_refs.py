@@ -136,3 +136,40 @@ class CheckpointedBlocks(nn.Module):
         else:
             h = self.block(h)
         return self.head(h)
+
+
+class Producer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x))   # relu saves its output: nothing after it saves that again
+
+
+class Consumer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, r):
+        return torch.tanh(self.lin(r + 1))   # saves nothing of r itself: r + 1 is a new tensor
+
+
+class SideBySide(nn.Module):
+    """Two calls where checkpointing both keeps what checkpointing the first alone frees (the
+    second's checkpoint keeps its input, the first's output)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = Producer()
+        self.second = Consumer()
+
+    def forward(self, x):
+        return self.second(self.first(x))
+
+
+def build_hand():
+    """A `backlens profile` factory: HandNet, a 3x4 input, a sum loss."""
+    torch.manual_seed(0)
+    return HandNet(), torch.randn(3, 4), lambda out: out.sum()

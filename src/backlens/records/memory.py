@@ -326,7 +326,7 @@ class PassMemory:
     ``peak_bytes`` their largest, first reached after ``peak_at``;
     ``held_at_peak`` splits it by module address (None: outside every module).
     ``recomputed`` maps each node call that ran a checkpoint's recomputation to
-    the bytes it recomputed. ``allocator_start`` is the allocator reading
+    the bytes of the tensors it recomputed for the backward (parameters apart). ``allocator_start`` is the allocator reading
     before the first node call (CUDA only, else None).
     """
 
@@ -409,7 +409,7 @@ def pass_memory(state: Any, number: int) -> PassMemory | None:
     peak = max(range(len(samples)), key=lambda k: samples[k].bytes) if samples else None
     recomputed: dict[str, set[int]] = defaultdict(set)
     for save, by in enumerate(memory.saved_recomputed_by):
-        if memory.saved_recomputed[save] and by in rank:
+        if memory.saved_recomputed[save] and by in rank and kinds[memory.saved_storage[save]] in NON_PARAM:
             recomputed[_call_label(state, by)].add(memory.saved_storage[save])
     return PassMemory(
         pass_number=number,
