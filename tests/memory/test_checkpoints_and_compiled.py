@@ -81,3 +81,21 @@ def test_an_outer_saved_tensor_hook_keeps_working_and_is_named_in_the_reasons():
         cap = bl.capture(model, *args, memory=True, **kwargs)
     assert len(packed) == cap.memory.saved_tensors > 0  # the user's hook still saw every save
     assert any("saved_tensors_hooks" in reason for reason in cap.memory.reasons)
+
+
+def test_an_internal_error_in_memory_bookkeeping_leaves_the_forward_and_gradients_untouched(monkeypatch):
+    from backlens.capture import memory as memory_module
+
+    def broken(self, tensor, kind):
+        raise RuntimeError("bookkeeping broke")
+
+    model, args, kwargs = models.build("mlp")
+    stock = stock_grads(model, models.loss_of, *args, **kwargs)
+    monkeypatch.setattr(memory_module._StorageIndex, "of", broken)
+    with pytest.warns(bl.BacklensWarning, match="could not record") as caught:
+        cap = bl.capture(model, *args, memory=True, **kwargs)
+        models.loss_of(cap.output).backward()
+    assert [w.message.code for w in caught.list] == ["memory_incomplete"]  # once per capture
+    for name, param in model.named_parameters():
+        assert torch.equal(param.grad, stock[name]), name
+    assert any("bookkeeping broke" in reason for reason in cap.memory.reasons)

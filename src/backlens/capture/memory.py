@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from backlens import _torch
+from backlens._warn import warn
 
 _sequence_nr = _torch.sequence_nr_function()
 _disable_torch_function = _torch.torch_function_disabled
@@ -149,8 +150,11 @@ class _Saved:
         self.index = index
 
     def __del__(self) -> None:
+        owner = self.owner
+        if owner is None:
+            return  # a save that could not be recorded
         try:
-            self.owner.released(self.index)
+            owner.released(self.index)
         except Exception:  # noqa: BLE001, S110 - a release note must never disturb autograd (or interpreter exit)
             pass
 
@@ -173,10 +177,13 @@ class MemoryRecorder:
         self._state = weakref.ref(state)
         self.journal = state.memory = MemoryJournal()
         self._storages = _StorageIndex(self.journal)
-        for param in params.values():
-            self._storages.of(param, "param")
-        for buffer in buffers.values():
-            self._storages.of(buffer, "buffer")
+        try:
+            for param in params.values():
+                self._storages.of(param, "param")
+            for buffer in buffers.values():
+                self._storages.of(buffer, "buffer")
+        except Exception as exc:  # noqa: BLE001 - bookkeeping never breaks the capture
+            self._failed("the model's parameters", exc)
         self._raw = state.journal.raw_ops
         self._stack = forward_recorder._module_stack  # the module calls under way (innermost last)
         self._pending: list[tuple[int, int]] = []  # per save: (row count, sequence number) when packed
@@ -214,20 +221,38 @@ class MemoryRecorder:
         journal = self.journal
         stack = self._stack
         with _disable_torch_function():
-            storage = self._storages.of(tensor, "saved")
             held = tensor.detach()
+            try:
+                storage = self._storages.of(tensor, "saved")
+            except Exception as exc:  # noqa: BLE001 - bookkeeping never breaks the user's forward
+                self._failed("a saved tensor", exc)
+                return _Saved(held, None, -1)
         self._pending.append((len(self._raw), _sequence_nr()))
         index = journal.add_save(storage, None, stack[-1] if stack else None)
         return _Saved(held, self, index)
+
+    def _failed(self, what: str, error: BaseException) -> None:
+        """An internal error in memory bookkeeping: the model runs on untouched; the records
+        say what they leave out, and a warning says so once per capture."""
+        reason = f"{what} could not be recorded ({type(error).__name__}: {error}); the numbers leave it out"
+        first = not any(r.endswith("the numbers leave it out") for r in self.journal.reasons)
+        self.journal.add_reason(reason)
+        if first:
+            warn(f"backlens could not record all of what autograd holds: {reason} (cap.memory.reasons).",
+                 "memory_incomplete", in_hook=True)
 
     def call_started(self, index: int, args: tuple, kwargs: dict) -> None:
         """A module call begins: note the storages of its tensor arguments (those a
         checkpoint of the call would keep) and the time."""
         of = self._storages.of
-        with _disable_torch_function():
-            found = [of(a, "saved") for a in args if isinstance(a, Tensor)]
-            if kwargs:
-                found += [of(v, "saved") for v in kwargs.values() if isinstance(v, Tensor)]
+        try:
+            with _disable_torch_function():
+                found = [of(a, "saved") for a in args if isinstance(a, Tensor)]
+                if kwargs:
+                    found += [of(v, "saved") for v in kwargs.values() if isinstance(v, Tensor)]
+        except Exception as exc:  # noqa: BLE001 - bookkeeping never breaks the user's forward
+            self._failed("a module call's arguments", exc)
+            found = []
         self.journal.module_inputs[index] = tuple(dict.fromkeys(found))
         self._call_start[index] = _now()
 
@@ -262,6 +287,12 @@ class MemoryRecorder:
         """Nodes joined the capture's table: note where each sends gradients, and watch
         what is sent into an input slot that several nodes send to (the engine sums
         those there, and what the slot holds meanwhile is the first sender's tensor)."""
+        try:
+            self._note_edges(table, handles)
+        except Exception as exc:  # noqa: BLE001 - never stops the capture's recording
+            self._failed("where some nodes send their gradients", exc)
+
+    def _note_edges(self, table: Any, handles: list[Any]) -> None:
         nodes, index_of = table.nodes, table.index_of
         children, senders = self._children, self._slot_senders
         while len(children) < len(nodes):
@@ -281,35 +312,43 @@ class MemoryRecorder:
     def _on_sent(self, sender: int, grad_inputs: tuple, _grad_outputs: tuple) -> None:
         """A watched node ran: what it sent into each slot that several nodes send to."""
         began = _now()
-        state = self._state()
-        entry = state.recorder.open_call() if state is not None and state.recorder is not None else None
-        if entry is None or entry.node != sender:
-            return None
+        entry = None
         try:
+            state = self._state()
+            entry = state.recorder.open_call() if state is not None and state.recorder is not None else None
+            if entry is None or entry.node != sender:
+                return None
             senders = self._slot_senders
             for (child, slot), grad in zip(self._children[sender], grad_inputs):
                 if grad is not None and child is not None and len(senders[(child, slot)]) > 1:
                     self._sent.append((entry, child, slot, self._storages.of(grad, "grad")))
+        except Exception as exc:  # noqa: BLE001 - never into the user's backward
+            self._failed("what a node sent", exc)
         finally:
-            entry.hook_ns += _now() - began
+            if entry is not None:
+                entry.hook_ns += _now() - began
         return None
 
     def on_fire(self, entry: Any, node: Any, is_accumulate: bool, arriving: tuple) -> None:
         """A node fires (its pre-hook): the gradients arriving at it, and what it adds to
         the held parameter gradients."""
-        of = self._storages.of
-        arrived = []
-        slot = 0
-        for grad in arriving:
-            if grad is not None:
-                arrived.append((slot, of(grad, "grad")))
-            slot += 1
-        accumulated = 0
-        if is_accumulate:
-            variable = _torch.accumulate_grad_variable(node)
-            if variable is not None and variable.grad is None:
-                accumulated = variable.numel() * variable.element_size()
-        allocated = self._allocated() if self._allocated is not None else None
+        try:
+            of = self._storages.of
+            arrived = []
+            slot = 0
+            for grad in arriving:
+                if grad is not None:
+                    arrived.append((slot, of(grad, "grad")))
+                slot += 1
+            accumulated = 0
+            if is_accumulate:
+                variable = _torch.accumulate_grad_variable(node)
+                if variable is not None and variable.grad is None:
+                    accumulated = variable.numel() * variable.element_size()
+            allocated = self._allocated() if self._allocated is not None else None
+        except Exception as exc:  # noqa: BLE001 - never fails the pass's other records
+            self._failed("what reached a node", exc)
+            return
         self._fires.append((entry, arrived, accumulated, allocated))
 
     def released(self, save: int) -> None:
