@@ -357,6 +357,18 @@ def pass_memory(state: Any, number: int) -> PassMemory | None:
     if memory is None:
         return None
     pass_ = state.passes[number - 1]
+    # Computed once per pass while the journal stays as it is (reports read it several times).
+    key = (memory.version, number, len(pass_.calls))
+    cache = memory.__dict__.setdefault("_pass_cache", {})
+    found = cache.get(key)
+    if found is None:
+        if len(cache) > 64:
+            cache.clear()
+        found = cache[key] = _pass_memory(state, memory, pass_, number)
+    return found
+
+
+def _pass_memory(state: Any, memory: Any, pass_: Any, number: int) -> PassMemory:
     positions = [p for p in pass_.calls]
     rank = {position: k for k, position in enumerate(positions)}
     count = len(positions)
