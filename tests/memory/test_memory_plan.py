@@ -18,6 +18,12 @@ def gpt2_capture():
     return model, args, cap
 
 
+@pytest.fixture(scope="module")
+def gpt2_captured():
+    """One GPT-2 capture for the tests that only read it (and leave the model as they found it)."""
+    return gpt2_capture()
+
+
 @pytest.mark.parametrize("share", [0.5, None])
 def test_checkpointing_the_planned_calls_saves_what_the_plan_predicted(share):
     model, args, cap = gpt2_capture()
@@ -37,8 +43,8 @@ def test_checkpointing_the_planned_calls_saves_what_the_plan_predicted(share):
         assert plan.within_budget and again.memory.saved_bytes <= budget
 
 
-def test_candidates_are_ranked_by_bytes_freed_per_recompute_flop():
-    _model, _args, cap = gpt2_capture()
+def test_candidates_are_ranked_by_bytes_freed_per_recompute_flop(gpt2_captured):
+    _model, _args, cap = gpt2_captured
     plan = bl.report.memory_plan(cap)
     ratios = [row.bytes_per_flop for row in plan.rows]
     assert ratios == sorted(ratios, reverse=True)
@@ -50,8 +56,8 @@ def test_candidates_are_ranked_by_bytes_freed_per_recompute_flop():
     assert plan.to_pandas()["module"].tolist() == [row.module for row in plan.rows]
 
 
-def test_without_a_budget_no_chosen_call_contains_another():
-    _model, _args, cap = gpt2_capture()
+def test_without_a_budget_no_chosen_call_contains_another(gpt2_captured):
+    _model, _args, cap = gpt2_captured
     plan = bl.report.memory_plan(cap)
     for outer in plan.chosen:
         for inner in plan.chosen:
@@ -75,8 +81,8 @@ def test_the_saving_of_calls_side_by_side_is_computed_together_not_summed():
     assert cap.memory.saved_bytes - again.memory.saved_bytes == plan.saving
 
 
-def test_apply_leaves_the_model_as_it_was():
-    model, _args, cap = gpt2_capture()
+def test_apply_leaves_the_model_as_it_was(gpt2_captured):
+    model, _args, cap = gpt2_captured
     plan = bl.report.memory_plan(cap, budget_bytes=cap.memory.saved_bytes // 2)
     before = {name: module.__dict__.get("forward") for name, module in model.named_modules()}
     with plan.apply(model):
@@ -86,8 +92,8 @@ def test_apply_leaves_the_model_as_it_was():
     assert not model._forward_pre_hooks
 
 
-def test_a_budget_nothing_reaches_says_so():
-    _model, _args, cap = gpt2_capture()
+def test_a_budget_nothing_reaches_says_so(gpt2_captured):
+    _model, _args, cap = gpt2_captured
     plan = bl.report.memory_plan(cap, budget_bytes=0)
     assert plan.within_budget is False and any("budget" in note for note in plan.notes)
 
