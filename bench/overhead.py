@@ -8,6 +8,7 @@ ratio to plain is printed.
 
 Targets: captured forward <= 1.05x plain forward; fwd+bwd with timing, no FLOPs,
 no saved grads <= 1.10x; default capture (FLOPs and timing on) <= 1.25x;
+capture_memory (default capture with memory=True) <= 1.10x of default capture;
 save_grads=True <= 1.25x of plain PyTorch keeping the same gradients by hand
 (a hook on every node keeping what it receives and sends on), with peak memory
 above plain no more than the saved gradients' bytes + 10% (peak RSS, one fresh
@@ -101,6 +102,7 @@ def variants(model, ids):
                 "plain keeping the same grads by hand": plain_step_keeping_grads,
                 "capture save_grads=True": captured_step(flops=False, save_grads=True),
                 "default capture (FLOPs and timing on)": captured_step(),
+                "capture_memory (default + memory=True)": captured_step(memory=True),
             },
         ),
     }
@@ -199,6 +201,10 @@ def main() -> None:
         print(f"[{group}] plain median {plain_ms:.1f} ms ({ratios.pop('plain')[1]} page faults)")
         for name, (ratio, faults) in ratios.items():
             print(f"  {name:<40} {ratio:.3f}x plain   ({faults} page faults)")
+        if "capture_memory (default + memory=True)" in ratios:
+            default = ratios["default capture (FLOPs and timing on)"][0]
+            print(f"  {'capture_memory vs default capture':<40} "
+                  f"{ratios['capture_memory (default + memory=True)'][0] / default:.3f}x (target <= 1.10x)")
         if "plain keeping the same grads by hand" in ratios:
             by_hand = ratios["plain keeping the same grads by hand"][0]
             print(f"  {'capture save_grads=True vs by hand':<40} "

@@ -264,6 +264,14 @@ def top_saved_tensors_pack_hook() -> Callable[..., Any] | None:
     return hooks[0] if hooks else None
 
 
+def top_saved_tensors_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """The (pack, unpack) pair of the innermost ``saved_tensors_hooks`` context, if any."""
+    if _top_saved_tensors_hooks is None:
+        return None
+    hooks = _top_saved_tensors_hooks(False)
+    return (hooks[0], hooks[1]) if hooks else None
+
+
 # Keys whose kernel runs instead of a CompositeImplicitAutograd decomposition.
 _OWN_KERNEL_KEYS = (
     "CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional",
@@ -464,6 +472,36 @@ def reentrant_checkpoint_forward() -> Any:
 
 def set_reentrant_checkpoint_forward(fn: Any) -> None:
     _checkpoint_function.forward = staticmethod(fn)
+
+
+# What a non-reentrant checkpoint recomputed (memory=True captures): torch keeps
+# the recomputed tensors in its frame, per engine run (or GraphExecGroup), each
+# beside a handle object that dies when the tensor is unpacked.
+_checkpoint_frame_class = getattr(_checkpoint_module, "_CheckpointFrame", None)
+_graph_exec_group = getattr(_checkpoint_module, "GraphExecGroup", None)
+
+HAS_CHECKPOINT_RECOMPUTED = isinstance(_checkpoint_frame_class, type) and _current_graph_task_id is not None
+
+CAPABILITIES = (
+    *CAPABILITIES,
+    Capability(
+        "HAS_CHECKPOINT_RECOMPUTED",
+        HAS_CHECKPOINT_RECOMPUTED,
+        "counting the tensors a non-reentrant checkpoint recomputes (memory=True)",
+        "recomputed saves are not counted in pass_.memory",
+    ),
+)
+
+
+def checkpoint_recomputed(frame: Any) -> list[tuple[Any, torch.Tensor]] | None:
+    """(handle, tensor) for each tensor ``frame`` holds recomputed for the running engine
+    run (None when this torch keeps them elsewhere)."""
+    recomputed = getattr(frame, "recomputed", None) if HAS_CHECKPOINT_RECOMPUTED else None
+    if not isinstance(recomputed, dict):
+        return None
+    group = _graph_exec_group._get_current_group() if hasattr(_graph_exec_group, "_get_current_group") else None
+    found = recomputed.get(group if group is not None else _current_graph_task_id())
+    return list(found.items()) if found is not None else []
 
 
 # compiled models

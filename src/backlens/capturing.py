@@ -9,6 +9,7 @@ way the :class:`Capture` reads its records over that state.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
 from pathlib import Path
@@ -27,6 +28,7 @@ from backlens.capture.compiled import NOT_COUNTED, is_opaque, original_module, r
 from backlens.capture.compiled import check_mode as check_compiled_mode
 from backlens.capture.forward import ActivationPolicy, ForwardRecorder
 from backlens.capture.interventions import ArmedEdits
+from backlens.capture.memory import MemoryRecorder
 from backlens.capture.policy import GradPolicy
 from backlens.capture.replay_record import ReplayRecording
 from backlens.capture.state import CaptureState, InputEntry, ParamEntry
@@ -57,7 +59,7 @@ from backlens.report.failures import PassFailures
 
 # The options of bl.capture: a keyword close to one of these is a typo, not the model's.
 CAPTURE_OPTIONS = ("save_grads", "save_activations", "storage", "flops", "timing", "intervene", "backward",
-                   "detect_nonfinite", "compiled")
+                   "detect_nonfinite", "compiled", "memory")
 # What cap.backward passes on to torch.autograd.backward.
 BACKWARD_OPTIONS = ("grad_tensors", "retain_graph", "create_graph", "inputs")
 
@@ -74,6 +76,7 @@ def capture(
     backward: bool = True,
     detect_nonfinite: bool = False,
     compiled: str = "eager",
+    memory: bool = False,
     **kwargs: Any,
 ) -> Capture:
     """Run ``model(*args, **kwargs)`` once, record it, and arm backward capture.
@@ -96,7 +99,7 @@ def capture(
     forward = (_torch.compiled_original(model) or model).forward
     _args.no_mistyped_options(kwargs, CAPTURE_OPTIONS, forward, "bl.capture")
     for name, value in (("flops", flops), ("timing", timing), ("backward", backward),
-                        ("detect_nonfinite", detect_nonfinite)):
+                        ("detect_nonfinite", detect_nonfinite), ("memory", memory)):
         _args.flag(value, name, "bl.capture")
     _args.policy(save_grads, "save_grads", "bl.capture")
     _args.policy(save_activations, "save_activations", "bl.capture")
@@ -104,6 +107,12 @@ def capture(
     activations = ActivationPolicy(save_activations)
     interventions = as_interventions(intervene)
     compiled_model, opaque = model, is_opaque(model, compiled)
+    if memory and opaque:
+        raise UnsupportedInputError(
+            "bl.capture(..., memory=True, compiled='opaque'): the saved tensors of opaque compiled regions "
+            "cannot be seen (nothing of backlens may run while dynamo traces them).",
+            code="memory_needs_eager_forward",
+            remedy="Capture with compiled='eager' (the default), which records the original module's forward.")
     model = original_module(model, compiled)  # a compiled model's own modules and parameters
     # The forward, recorded into the state's journal.
     state = CaptureState(make_store(storage))
@@ -129,10 +138,14 @@ def capture(
     recorder.register_sources("buffer", buffers.items())
     inputs = named_inputs(args, kwargs)
     input_sources = recorder.register_sources("input", inputs)
+    memory_recorder = (MemoryRecorder(state, recorder, params, buffers, [t for _name, t in inputs])
+                       if memory else None)
+    recorder.memory = memory_recorder
     grad_enabled = torch.is_grad_enabled()
     inference_mode = torch.is_inference_mode_enabled()
 
     witness = CheckpointWitness(state)
+    witness.memory = memory_recorder
     journal.seq_start = _torch.sequence_nr()
     if opaque:  # nothing of backlens in the forward: dynamo sees the model alone
         witness.journal.add_reason(COMPILED_OPAQUE)
@@ -143,12 +156,15 @@ def capture(
         # finally, also on Ctrl-C.
         try:
             recorder.attach(addresses, module_types)
-            with witness, _torch.function_mode(recorder):
+            saving = memory_recorder.saving() if memory_recorder is not None else contextlib.nullcontext()
+            with witness, _torch.function_mode(recorder), saving:
                 output = model(*args, **kwargs)
         finally:
             complete(lambda: (recorder.detach(), witness.leave()))
     journal.seq_end = _torch.sequence_nr()
     recorder.finish(output)
+    if memory_recorder is not None:
+        memory_recorder.finish_forward(journal)
     warn_if_no_activation_kept(save_activations, journal)
     if armed.any:
         armed.check_sites(journal)
@@ -189,17 +205,19 @@ def capture(
         failures=PassFailures(),
         observers=(([FlopObserver(NOT_COUNTED if opaque else None)] if flops else [])
                    + [UnmatchedSelectorWarner(), witness]
-                   + ([collectives] if collectives is not None else [])) if live else [],
+                   + ([collectives] if collectives is not None else [])
+                   + ([memory_recorder] if memory_recorder is not None else [])) if live else [],
         edits=armed if armed.gradient else None,
         detect_nonfinite=detect_nonfinite,
     )
     state.recorder.end_fires_at_drain = collectives is not None
+    state.recorder.memory = memory_recorder if live else None
     if live:
         state.recorder.arm()
     else:
         state.recorder.hooking = False  # no pass will open
     options = dict(save_grads=save_grads, save_activations=save_activations, flops=flops, timing=timing,
-                   backward=backward, detect_nonfinite=detect_nonfinite, compiled=compiled)
+                   backward=backward, detect_nonfinite=detect_nonfinite, compiled=compiled, memory=memory)
     return Capture(state, output=output, model=compiled_model if opaque else model,
                    rerun=(args, kwargs, options, intervene))
 

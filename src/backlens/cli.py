@@ -59,6 +59,10 @@ def _parser() -> argparse.ArgumentParser:
     profile.add_argument("--timeline", help="write the backward as Trace Event JSON (Perfetto, chrome://tracing)")
     profile.add_argument("--html", help="write a self-contained HTML report here")
     profile.add_argument("--save", help="save the capture as a bundle here")
+    profile.add_argument("--memory", action="store_true",
+                         help="also record what the backward holds and print a checkpointing plan")
+    profile.add_argument("--memory-budget", type=_count, default=None, metavar="BYTES",
+                         help="with --memory: the saved bytes the checkpointing plan should fit")
 
     show = commands.add_parser("show", help="print the summary of a saved bundle")
     show.add_argument("bundle")
@@ -257,7 +261,7 @@ def _profile(args) -> None:
     repeats = DEFAULT_REPEATS if args.repeats is None else args.repeats
     with console.status("Capturing the forward..."):
         try:
-            cap = bl.capture(model, *positional, **keywords)
+            cap = bl.capture(model, *positional, memory=args.memory, **keywords)
         except TypeError as exc:
             raise UsageError(
                 f"the model's forward did not accept {described} ({exc}); it expects {_signature_of(model)}"
@@ -271,6 +275,8 @@ def _profile(args) -> None:
     for table in rich_tables(profile):
         console.print(table)
     console.print(summary_line(profile))
+    if args.memory:
+        _print_memory(console, cap, profile, args.memory_budget)
     if args.bench:
         # The factory's inputs are positional or keyword, never both (see _unpack).
         result = bl.bench.backward(model, keywords or positional, lambda out: _scalar_loss(loss_fn, out),
@@ -286,6 +292,16 @@ def _profile(args) -> None:
     if args.html:
         html_report(profile).write(args.html)
         console.print(f"HTML report: {os.path.abspath(args.html)}")
+
+
+def _print_memory(console, cap, profile, budget: int | None) -> None:
+    """What the backward holds and the checkpointing plan; the HTML report gets the memory view."""
+    import backlens as bl
+    from backlens.report.memory_view import memory_sections, memory_tables
+
+    for table in memory_tables(cap, bl.report.memory_plan(cap, budget_bytes=budget)):
+        console.print(table)
+    profile.extra.extend(memory_sections(cap))
 
 
 # -- show ----------------------------------------------------------------------

@@ -72,6 +72,12 @@ def _rows(records) -> list:
             for row in frame.to_dict("records")]
 
 
+def _saved_rows(cap) -> list:
+    """(function, saved bytes, parameter bytes, tensors) of each op that saved something."""
+    return [[row.label.rsplit("_", 1)[0], row.saved_bytes, row.saved_param_bytes, row.saved_tensors]
+            for row in cap.memory.ops if row.saved_tensors]
+
+
 def mlp() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
@@ -304,6 +310,39 @@ class Rank:
         self.grads[f"{name}/traced/h.grad"] = grad.detach().clone()
         self._keep(name, traced, "traced")
 
+    # -- memory ------------------------------------------------------------------------
+    def memory(self, name, parallel, build, batch, loss_fn):
+        """memory=True over DDP or FSDP2: what each op saved, beside a capture of the bare
+        module with the same weights and batch; gradients beside a stock run's."""
+        data = batch(self.rank)
+        bare = bl.capture(build(), *data, memory=True)
+
+        def wrapped():
+            model = build()
+            if parallel == "ddp":
+                return DDP(model)
+            for unit in [m for m in model.modules() if isinstance(m, nn.Linear)]:
+                fully_shard(unit)
+            fully_shard(model)
+            return model
+
+        stock = wrapped()
+        step(stock, data, loss_fn)
+        step(stock, data, loss_fn)
+        captured = wrapped()
+        step(captured, data, loss_fn)
+        captured.zero_grad(set_to_none=True)
+        cap = bl.capture(captured, *data, memory=True, storage=self.bundle(name))
+        loss_fn(cap.output).backward()
+        self._keep(name, stock, "stock")
+        self._keep(name, captured, "captured")
+        (backward,) = cap.passes
+        result = {"bare": _saved_rows(bare), "captured": _saved_rows(cap),
+                  "peak": backward.memory.peak_bytes, "samples": len(backward.memory.samples),
+                  "calls": len(backward.calls), "all_freed": cap.memory.all_freed}
+        cap.close()
+        return result
+
     def save(self) -> None:
         save_file(self.grads, str(self.out / f"grads_rank{self.rank}.safetensors"))
         (self.out / f"results_rank{self.rank}.json").write_text(json.dumps(self.results, indent=1))
@@ -327,6 +366,8 @@ def main() -> None:
         rank.scenario("desync", lambda: rank.desync("desync"))
         rank.scenario("live_ddp", lambda: rank.live("live_ddp", "ddp"))
         rank.scenario("live_fsdp", lambda: rank.live("live_fsdp", "fsdp"))
+        rank.scenario("memory_ddp", lambda: rank.memory("memory_ddp", "ddp", gpt2, gpt2_batch, gpt2_loss))
+        rank.scenario("memory_fsdp", lambda: rank.memory("memory_fsdp", "fsdp", mlp, mlp_batch, mlp_loss))
         rank.save()
     finally:
         dist.destroy_process_group()

@@ -108,6 +108,8 @@ class BackwardRecorder:
         # Under torch.distributed: end each pass's last fire when the engine has run its
         # nodes, before the final callbacks that wait for collectives (DDP's, FSDP's).
         self.end_fires_at_drain = False
+        # A memory=True capture's MemoryRecorder (capture/memory.py): told what reaches each fire.
+        self.memory: Any = None
 
     # -- arming ----------------------------------------------------------
     def arm(self) -> None:
@@ -279,6 +281,8 @@ class BackwardRecorder:
                     handles.append(node.register_prehook(partial(on_pre, index)))
                 if post_hooked:
                     handles.append(node.register_hook(partial(on_post, index)))
+            if self.memory is not None and added:
+                self.memory.nodes_added(self.table, handles)
         state = self._state()
         if added and state is not None:
             # Relate the new nodes to the forward's tensors while they are held (by
@@ -549,6 +553,10 @@ class BackwardRecorder:
                 opened[thread] = [node, (self, entry, pass_)]
             else:
                 previous.append((self, entry, pass_))  # the same fire, recorded by another capture too
+            if self.memory is not None:
+                began = _now()
+                self.memory.on_fire(entry, node, self.table.types[index] == "AccumulateGrad", arriving)
+                entry.hook_ns += _now() - began  # backlens's work, not the node's
             if create_graph:
                 for grad in arriving:
                     if grad is not None and grad.grad_fn is not None:

@@ -272,7 +272,7 @@ class ForwardJournal:
         for op in self._ops:
             op.output_node = None
         raw = self.raw_ops
-        for i in range(len(self._ops), len(raw)):
+        for i in range(len(raw)):  # built entries' rows too: they hold the same node
             if raw[i][9] is not None:
                 raw[i] = (*raw[i][:9], None, *raw[i][10:])
         for call in self.module_calls:
@@ -349,6 +349,8 @@ class ForwardRecorder(TorchFunctionMode):
         self._every_output_node = not with_sequence
         # Set while the recorder reads module outputs itself on a torch without DisableTorchFunction.
         self._own_read = False
+        # A memory=True capture's MemoryRecorder (capture/memory.py): told when each module call starts and ends.
+        self.memory: Any = None
 
     def record_replay(self, recording: Any) -> None:
         """Record every op's call into ``recording`` (a ReplayRecording) during the forward."""
@@ -401,10 +403,15 @@ class ForwardRecorder(TorchFunctionMode):
         )
         journal.note_call(call)
         stack.append(index)
+        memory = self.memory
+        if memory is not None:
+            memory.call_started(index, args, kwargs)
         try:
             output = original(module, *args, **kwargs)
         finally:
             stack.pop()
+            if memory is not None:
+                memory.call_ended(index)
         with _disable_torch_function() if _torch.HAS_DISABLE_TORCH_FUNCTION else _OwnRead(self):
             if self.module_output_hook is not None:
                 edited = self.module_output_hook(call, output)

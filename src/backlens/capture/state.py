@@ -167,6 +167,7 @@ class CaptureState:
         self.cost: Any = None  # a CostJournal (backlens.cost.journal), None without one
         self.checkpoints: Any = None  # a CheckpointJournal (backlens.cost.checkpoints), None: not witnessed
         self.replay: Any = None  # a ReplayRecording (live, when activations were kept), None otherwise
+        self.memory: Any = None  # a MemoryJournal (capture/memory.py) of a memory=True capture, None otherwise
         self.store: TensorStore = store if store is not None else MemoryStore()
         self.inference_only = False
         self.inference_cause: str | None = None

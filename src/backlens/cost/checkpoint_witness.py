@@ -26,6 +26,8 @@ import time
 import weakref
 from typing import Any
 
+import torch
+
 from backlens import _torch
 from backlens.cost.checkpoints import CheckpointEntry, CheckpointJournal, RecomputeEntry
 
@@ -58,6 +60,7 @@ class CheckpointWitness:
         self._state = weakref.ref(state)
         self.journal = state.checkpoints = CheckpointJournal()
         self.thread = threading.get_ident()
+        self.memory: Any = None  # a memory=True capture's MemoryRecorder: told what each recomputation keeps
         if not _torch.HAS_CHECKPOINT_HOOK_CLASS:
             self.journal.add_reason(NO_HOOK_CLASS)
         if not _torch.HAS_REENTRANT_CHECKPOINT_FUNCTION:
@@ -99,8 +102,9 @@ class CheckpointWitness:
         self.journal.add_reason(OTHER_THREAD)
 
     # -- the backward --------------------------------------------------------
-    def unpack_hook(self, unpack: Any, entry: CheckpointEntry) -> Any:
-        """``unpack`` (torch's), noting the recomputation the first unpack of each engine run does."""
+    def unpack_hook(self, unpack: Any, entry: CheckpointEntry, frame: Any = None) -> Any:
+        """``unpack`` (torch's), noting the recomputation the first unpack of each engine run does
+        (``frame``: a weak reference to torch's checkpoint frame, which keeps what it recomputed)."""
         witness = weakref.ref(self)
         recomputed_in: set[int] = set()
 
@@ -110,11 +114,11 @@ class CheckpointWitness:
             if this is None or task == -1 or task in recomputed_in:
                 return unpack(holder)
             recomputed_in.add(task)
-            return this._recompute(unpack, holder, entry)
+            return this._recompute(unpack, holder, entry, frame)
 
         return unpack_hook
 
-    def _recompute(self, unpack: Any, holder: Any, entry: CheckpointEntry) -> Any:
+    def _recompute(self, unpack: Any, holder: Any, entry: CheckpointEntry, frame: Any = None) -> Any:
         state = self._state()
         recorder = state.recorder if state is not None else None
         call = recorder.open_call() if recorder is not None else None
@@ -124,7 +128,10 @@ class CheckpointWitness:
         mark = len(census.charged) if census is not None else 0
         start = _now()
         try:
-            return unpack(holder)
+            result = unpack(holder)
+            if self.memory is not None:
+                self._note_recomputed(frame, call, entry, result)
+            return result
         finally:
             flops = None
             if census is not None and census.recompute_known:
@@ -132,6 +139,16 @@ class CheckpointWitness:
                 if all(recomputed is not None for _n, _f, _c, recomputed in rows):
                     flops = sum(count for _n, _f, count, recomputed in rows if recomputed)
             entry.recomputed.append(RecomputeEntry(call.pass_number, None, flops, _now() - start, call_entry=call))
+
+    def _note_recomputed(self, frame: Any, call: Any, entry: CheckpointEntry, result: Any) -> None:
+        """Tell the memory recorder what this recomputation keeps for the nodes still to unpack."""
+        memory = self.memory
+        try:
+            held = frame() if frame is not None else None
+            found = _torch.checkpoint_recomputed(held) if held is not None else None
+            memory.recomputed(found, call, entry.module_call, result if isinstance(result, torch.Tensor) else None)
+        except Exception as exc:  # noqa: BLE001 - a memory note never disturbs the user's backward
+            memory.journal.add_reason(f"a recomputation could not be counted ({type(exc).__name__}: {exc})")
 
     def on_pass_close(self, state: Any, pass_: Any, error: BaseException | None) -> None:
         cost = state.cost.pass_cost(pass_.number) if state.cost is not None else None
@@ -275,7 +292,7 @@ def _witnessed_hook_class(original: type) -> type:
                 return pack(tensor)
 
             self.pack_hook = pack_hook
-            self.unpack_hook = witness.unpack_hook(self.unpack_hook, entry)
+            self.unpack_hook = witness.unpack_hook(self.unpack_hook, entry, weakref.ref(frame))
             self._backlens_witness = (weakref.ref(witness), entry)
 
         def __exit__(self, *exc: Any) -> None:

@@ -15,6 +15,8 @@ Layout (``FORMAT_VERSION`` 2; the sections and their fields are io/schema.py's):
     cost                                  the cost journal (FLOPs per op and per pass), or null
     checkpoints                           each torch.utils.checkpoint invocation and its
                                           recomputations, with the verdict's reasons, or null
+    memory                                what a memory=True capture saw autograd hold (storages,
+                                          saves, releases, node fires), or null
     tensors                               files: {name: {bytes, sha256}}; index: {tensor name:
                                           {file, dtype, shape, offsets, sha256}}
     checksum                              sha256 of the canonical JSON of everything above

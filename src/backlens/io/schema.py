@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from backlens.capture.forward import ModuleCallEntry, OpEntry
+from backlens.capture.memory import STORAGE_KINDS, MemoryJournal
 from backlens.capture.policy import GradPolicy
 from backlens.capture.slots import GradSlots
 from backlens.capture.state import (
@@ -429,6 +430,64 @@ CHECKPOINTS = Schema({"entries": entries(CHECKPOINT), "reasons": list_of(STR)},
                      lambda _at, **f: CheckpointJournal(**f))
 
 
+def _memory_journal(_position: int, storages: list, saves: list, releases: list, fires: list,
+                    pass_end_allocator: list, module_inputs: list, module_forward_ns: list,
+                    reasons: list) -> MemoryJournal:
+    count = len(storages)
+    _expect(all(s < count for save in saves for s in save[:1]), f"saves naming storages below {count}", saves)
+    _expect(all(s < count for _call, found in module_inputs for s in found),
+            f"module inputs naming storages below {count}", module_inputs)
+    _expect(all(s < count for fire in fires for s, _start, _until in fire[1]),
+            f"fires naming storages below {count}", fires)
+    released = [release[0] for release in releases]
+    _expect(all(save < len(saves) for save in released), f"releases naming saves below {len(saves)}", releases)
+    _expect(len(set(released)) == len(released), "each save released at most once", releases)
+    _expect(all(save[4] is None or save[3] for save in saves), "a recomputing call only on a recomputed save",
+            saves)
+    journal = MemoryJournal()
+    for nbytes, kind in storages:
+        journal.add_storage(nbytes, kind)
+    for storage, op, call, recomputed, recomputed_by in saves:
+        journal.add_save(storage, op, call, recomputed)
+        journal.saved_recomputed_by[-1] = recomputed_by
+    journal.releases = [tuple(release) for release in releases]
+    journal.fires = [(call, tuple(tuple(hold) for hold in holds), added, allocated)
+                     for call, holds, added, allocated in fires]
+    journal.pass_end_allocator = dict(pass_end_allocator)
+    journal.module_inputs = {call: tuple(found) for call, found in module_inputs}
+    journal.module_forward_ns = dict(module_forward_ns)
+    journal.reasons = list(reasons)
+    return journal
+
+
+def _memory_values(journal: MemoryJournal) -> dict[str, Any]:
+    return {
+        "storages": list(zip(journal.storage_bytes, journal.storage_kinds)),
+        "saves": list(zip(journal.saved_storage, journal.saved_op, journal.saved_call, journal.saved_recomputed,
+                          journal.saved_recomputed_by)),
+        "releases": list(journal.releases),
+        "fires": list(journal.fires),
+        "pass_end_allocator": sorted(journal.pass_end_allocator.items()),
+        "module_inputs": sorted(journal.module_inputs.items()),
+        "module_forward_ns": sorted(journal.module_forward_ns.items()),
+        "reasons": list(journal.reasons),
+    }
+
+
+# What a memory=True capture recorded (capture/memory.py): storages, saves, releases, fires.
+MEMORY = Schema({"storages": list_of(row(NAT, one_of(*STORAGE_KINDS))),
+                 "saves": list_of(row(NAT, optional(ref("ops")), optional(ref("modules")), BOOL,
+                                      optional(ref("calls")))),
+                 "releases": list_of(row(NAT, optional(number("passes")), optional(ref("calls")), NAT)),
+                 "fires": list_of(row(ref("calls"), list_of(row(NAT, optional(ref("calls")), optional(ref("calls")))),
+                                      NAT, optional(NAT))),
+                 "pass_end_allocator": list_of(row(number("passes"), NAT)),
+                 "module_inputs": list_of(row(ref("modules"), list_of(NAT))),
+                 "module_forward_ns": list_of(row(ref("modules"), NAT)),
+                 "reasons": list_of(STR)},
+                _memory_journal, _memory_values)
+
+
 def _local(tensor: torch.Tensor | None) -> torch.Tensor | None:
     """A sharded (DTensor) gradient is saved as this rank's shard."""
     to_local = getattr(tensor, "to_local", None)
@@ -567,6 +626,7 @@ SECTIONS: dict[str, Kind] = {
     "forward_edits": entries(EDIT),
     "cost": optional(COST),
     "checkpoints": optional(one(CHECKPOINTS)),
+    "memory": optional(one(MEMORY)),
 }
 
 
@@ -597,6 +657,7 @@ def encode_state(state: CaptureState, refs: Any) -> dict[str, Any]:
         "forward_edits": state.forward_edits,
         "cost": state.cost,
         "checkpoints": state.checkpoints,
+        "memory": state.memory,
     }
     return {name: kind.write(values[name], refs) for name, kind in SECTIONS.items()}
 
@@ -631,6 +692,7 @@ def decode_state(body: dict[str, Any], ctx: Any, store: Any) -> CaptureState:
     state.forward_edits = sections["forward_edits"]
     state.cost = sections["cost"]
     state.checkpoints = sections["checkpoints"]
+    state.memory = sections["memory"]
     _check_calls_in_their_passes(state)
     return state
 
@@ -651,3 +713,10 @@ def _check_calls_in_their_passes(state: CaptureState) -> None:
     for at, entry in enumerate(state.checkpoints.entries if state.checkpoints is not None else ()):
         for recompute in entry.recomputed:
             check(f"checkpoints: entries: [{at}] recomputed", recompute.pass_number, [recompute.call])
+    memory = state.memory
+    if memory is not None:
+        for at, (_save, number, position, _started) in enumerate(memory.releases):
+            if number is not None:
+                check(f"memory: releases: [{at}]", number, [position])
+            elif position is not None:
+                raise ValueError(f"memory: releases: [{at}]: a call position without its pass")

@@ -17,6 +17,7 @@ from backlens.records.aten import AtenOpList, aten_ops_of
 from backlens.records.base import Record, RecordList
 from backlens.records.collectives import CollectiveList
 from backlens.records.grads import check_pass_number
+from backlens.records.memory import PassMemory, pass_memory
 
 
 class GradFn(Record, NodeView):
@@ -227,6 +228,12 @@ class BackwardPass(Record):
         cost = self._state.cost
         counted = cost.pass_cost(self._entry.number) if cost is not None else None
         return aten_ops_of(self._state, counted.get("aten_ops") if counted is not None else None)
+
+    @property
+    def memory(self) -> PassMemory | None:
+        """The bytes the backward held after each of its node calls, and their peak
+        (a ``memory=True`` capture; None otherwise)."""
+        return pass_memory(self._state, self._entry.number)
 
     def row(self) -> dict[str, Any]:
         error = self.error

@@ -16,6 +16,7 @@ from backlens.records.base import RecordList
 from backlens.records.checkpoints import NOT_WITNESSED, CheckpointRecord
 from backlens.records.collectives import CollectiveList
 from backlens.records.forward import InputRecord, ModuleCallList, OpRecord, ParamRecord
+from backlens.records.memory import MemoryTable
 
 
 class CaptureRecords:
@@ -64,6 +65,15 @@ class CaptureRecords:
         holds one pass's)."""
         self._state.sync()
         return CollectiveList(self._state, range(len(self._state.collectives)))
+
+    @property
+    def memory(self) -> MemoryTable | None:
+        """What the forward saved for the backward, per op and per module call (a
+        ``memory=True`` capture; None otherwise). ``pass_.memory`` has each pass's live set."""
+        if self._state.memory is None:
+            return None
+        self._state.sync()
+        return MemoryTable(self._state)
 
     @property
     def rank(self) -> int | None:

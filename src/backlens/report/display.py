@@ -22,3 +22,13 @@ def seconds_text(value: float | None) -> str:
     if value >= 1e-3:
         return f"{value * 1e3:.2f} ms"
     return f"{value * 1e6:.1f} us"
+
+
+def bytes_text(value: int | None) -> str:
+    """``1.50 MiB`` for 1_572_864; ``-`` for unknown (None), ``0 B`` for zero."""
+    if value is None:
+        return "-"
+    for scale, suffix in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f} {suffix}"
+    return f"{value} B"

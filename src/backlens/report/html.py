@@ -119,6 +119,8 @@ def _render(section: Any) -> str:
     if isinstance(section, Gantt):
         note = f"<p class='sub'>{_e(section.note)}</p>" if section.note else ""
         return f"<h2>{_e(section.title)}</h2>{note}" + _gantt_svg(section)
+    if callable(getattr(section, "to_html", None)):  # a section that draws itself (report/memory_view.py)
+        return section.to_html()
     raise TypeError(f"unknown report section {type(section).__name__}")
 
 

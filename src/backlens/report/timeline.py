@@ -36,6 +36,7 @@ from typing import Any
 
 from backlens import _args
 from backlens._pandas import data_frame
+from backlens.report.memory_view import memory_counter_events
 
 ROOT_NAME = "(model)"
 COLLECTIVE_TRACK = 101  # the first track of collectives; node tracks count from 1
@@ -94,6 +95,7 @@ class Timeline:
     passes: list[int]
     untimed_calls: int = 0
     reason: str | None = None
+    counters: list[dict[str, Any]] = field(default_factory=list)  # "C" events (report/memory_view.py)
 
     def __iter__(self):
         return iter(self.slices)
@@ -123,7 +125,7 @@ class Timeline:
                                  "untimed_calls": self.untimed_calls}
         if self.reason:
             other["reason"] = self.reason
-        return {"traceEvents": metadata + [s.event() for s in self.slices], "displayTimeUnit": "ms",
+        return {"traceEvents": metadata + [s.event() for s in self.slices] + self.counters, "displayTimeUnit": "ms",
                 "otherData": other}
 
     def save(self, path: str) -> str:
@@ -187,7 +189,7 @@ def timeline(cap: Any, pass_: int | None = None) -> Timeline:
     if not slices:
         reason = ("no backward pass has run over this capture" if not passes
                   else "no node call was timed (capture with timing=True)")
-    return Timeline(slices, numbers, untimed, reason)
+    return Timeline(slices, numbers, untimed, reason, memory_counter_events(cap, slices))
 
 
 def _ns(seconds: float) -> int:
