@@ -409,3 +409,28 @@ def test_without_module_dicts_the_walk_names_the_same_modules_parameters_and_buf
     slow = walk_model(model)
     assert slow[0] == fast[0] and slow[1] == fast[1]
     assert list(slow[2]) == list(fast[2]) and list(slow[3]) == list(fast[3])
+
+
+def test_without_the_checkpoint_s_recomputed_view_memory_says_recomputed_saves_are_not_counted(monkeypatch):
+    without(monkeypatch, "HAS_CHECKPOINT_RECOMPUTED")
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    x = torch.randn(4, 8)
+
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return checkpoint(self.inner, x, use_reentrant=False)
+
+    wrapped = Checkpointed()
+    stock_twin = copy.deepcopy(wrapped)
+    stock_twin(x).sum().backward()
+    cap = bl.capture(wrapped, x, memory=True)
+    cap.output.sum().backward()
+    assert cap.passes[0].memory.recomputed == {}
+    assert any("recomputed saves are not counted" in reason for reason in cap.memory.reasons)
+    for (name, param), twin in zip(wrapped.named_parameters(), stock_twin.parameters()):
+        assert torch.equal(param.grad, twin.grad), name
