@@ -1,0 +1,86 @@
+"""Gradient norms reaching module outputs, during recorded steps only.
+
+:func:`watch_module_outputs` is the one place the monitor sees module calls.
+It uses public module forward hooks, registered only while a recorded step's
+forwards run (so unrecorded steps keep torch's fast module call path) and
+removed at its optimizer step; each call's first output tensor (the
+house's one reading of a nested output, ``_nested.first_tensor``) gets a
+tensor hook that files the norm of the gradient reaching it. A tensor hook
+reads the gradient and returns nothing, so it never changes one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from backlens._nested import first_tensor
+
+
+class OutputWatch:
+    """Forward hooks on ``modules`` while armed; each firing gradient's norm in firing order.
+
+    ``fires`` lists ``(module position, 0-d float32 norm)`` in backward order
+    (the order the engine reached the outputs); :meth:`take` hands them over.
+    """
+
+    def __init__(self, modules: list[tuple[str, nn.Module]], failed: Callable[[BaseException], None]):
+        self.modules = modules
+        self.failed = failed
+        self.fires: list[tuple[int, torch.Tensor]] = []
+        self._forward_handles: list[Any] = []
+        self._tensor_handles: list[Any] = []
+
+    @property
+    def armed(self) -> bool:
+        return bool(self._forward_handles)
+
+    def arm(self) -> None:
+        if self._forward_handles:
+            return
+        try:
+            for position, (_address, module) in enumerate(self.modules):
+                self._forward_handles.append(module.register_forward_hook(partial(self._called, position)))
+        except BaseException:
+            self.disarm()
+            raise
+
+    def disarm(self) -> None:
+        """Remove the forward hooks and any tensor hook still waiting for its gradient."""
+        handles, self._forward_handles = self._forward_handles, []
+        waiting, self._tensor_handles = self._tensor_handles, []
+        for handle in handles + waiting:
+            handle.remove()
+
+    def take(self) -> list[tuple[int, torch.Tensor]]:
+        fires, self.fires = self.fires, []
+        waiting, self._tensor_handles = self._tensor_handles, []
+        for handle in waiting:  # outputs whose gradient never came (an evaluation forward)
+            handle.remove()
+        return fires
+
+    def _called(self, position: int, _module: nn.Module, _args: Any, output: Any) -> None:
+        try:
+            tensor = first_tensor(output)
+            if tensor is not None and tensor.requires_grad:
+                self._tensor_handles.append(tensor.register_hook(partial(self._reached, position)))
+        except Exception as exc:  # noqa: BLE001 - the user's forward goes on
+            self.failed(exc)
+
+    def _reached(self, position: int, grad: torch.Tensor) -> None:
+        try:
+            with torch.no_grad():
+                dtype = torch.float64 if grad.dtype == torch.float64 else torch.float32
+                self.fires.append((position, torch.linalg.vector_norm(grad.detach(), dtype=dtype)))
+        except Exception as exc:  # noqa: BLE001 - the user's backward goes on
+            self.failed(exc)
+
+
+def watch_module_outputs(modules: list[tuple[str, nn.Module]],
+                         failed: Callable[[BaseException], None]) -> OutputWatch:
+    """The monitor's module-call mechanism: armed for the forwards of recorded steps only."""
+    return OutputWatch(modules, failed)
