@@ -264,10 +264,8 @@ class Monitor:
             grads = [local(layout.params[i].grad) for i in present]
             work.present = present
             if len(present):
-                if "norm" in stats or "absmax" not in stats:
-                    work.norms("norm", present, grads)
-                if "absmax" in stats:
-                    work.absmax(present, grads)
+                work.grad_stats(present, grads, norm="norm" in stats or "absmax" not in stats,
+                                absmax="absmax" in stats)
             optimizer = self._optimizer
             scale = getattr(optimizer, "grad_scale", None)  # a fused optimizer stepped by a GradScaler
             found_inf = getattr(optimizer, "found_inf", None)
@@ -279,7 +277,7 @@ class Monitor:
             if "update_ratio" in stats:
                 stepped = present[layout.stepped[present]]
                 if len(stepped) and copy:
-                    self._copies.take(stepped, [layout.params[i] for i in stepped])
+                    self._copies.take(work, stepped, [layout.params[i] for i in stepped])
                 work.copied = stepped
 
     def _finish(self, skipped: bool) -> None:
@@ -309,8 +307,10 @@ class Monitor:
                 self._copies.measure(work, [layout.params[i] for i in work.copied])
             fires = self._outputs.take() if self._outputs is not None else []
             if fires:
-                work.put("fires", np.arange(len(fires)), torch.stack([norm for _p, norm in fires]).to(torch.float64),
-                         len(fires))
+                norms = [norm for _p, norm in fires]
+                if len({norm.dtype for norm in norms}) > 1:
+                    norms = [norm.to(torch.float64) for norm in norms]
+                work.put("fires", np.arange(len(fires)), torch.stack(norms).to(torch.float64), len(fires))
             read = work.read()
         if "scale" in read:  # gradients a fused optimizer unscales itself
             for key in ("norm", "absmax"):
@@ -368,10 +368,9 @@ class Monitor:
         if fires:
             fired = np.array([position for position, _n in fires], dtype=np.int64)
             norms = read["fires"][: len(fires)]
-            if self._loss_scale:
-                norms = norms / self._loss_scale
-            if "scale" in read:
-                norms = norms / read["scale"][0]
+            loss_scale = self._loss_scale or (read["scale"][0] if "scale" in read else None)
+            if loss_scale:  # the backward ran on a scaled loss
+                norms = norms / loss_scale
             positions = np.unique(fired)  # in the model's module order
             squares = np.zeros(len(layout.called))
             np.add.at(squares, fired, np.square(norms))  # several calls or micro-batches: one norm over all

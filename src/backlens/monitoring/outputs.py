@@ -5,13 +5,15 @@ It uses public module forward hooks, registered only while a recorded step's
 forwards run (so unrecorded steps keep torch's fast module call path) and
 removed at its optimizer step; each call's first output tensor (the
 house's one reading of a nested output, ``_nested.first_tensor``) gets a
-tensor hook that files the norm of the gradient reaching it. A tensor hook
-reads the gradient and returns nothing, so it never changes one.
+tensor hook that files the norm of the gradient reaching it, once for all
+the modules returning that same tensor (a container and its last child). A
+tensor hook reads the gradient and returns nothing, so it never changes one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+import weakref
 from functools import partial
 from typing import Any
 
@@ -34,6 +36,7 @@ class OutputWatch:
         self.fires: list[tuple[int, torch.Tensor]] = []
         self._forward_handles: list[Any] = []
         self._tensor_handles: list[Any] = []
+        self._hooked: dict[int, tuple[weakref.ref, list[int]]] = {}  # id(tensor) -> tensor, its modules
 
     @property
     def armed(self) -> bool:
@@ -55,27 +58,37 @@ class OutputWatch:
         waiting, self._tensor_handles = self._tensor_handles, []
         for handle in handles + waiting:
             handle.remove()
+        self._hooked = {}
 
     def take(self) -> list[tuple[int, torch.Tensor]]:
         fires, self.fires = self.fires, []
         waiting, self._tensor_handles = self._tensor_handles, []
         for handle in waiting:  # outputs whose gradient never came (an evaluation forward)
             handle.remove()
+        self._hooked = {}
         return fires
 
     def _called(self, position: int, _module: nn.Module, _args: Any, output: Any) -> None:
         try:
             tensor = first_tensor(output)
-            if tensor is not None and tensor.requires_grad:
-                self._tensor_handles.append(tensor.register_hook(partial(self._reached, position)))
+            if tensor is None or not tensor.requires_grad:
+                return
+            known = self._hooked.get(id(tensor))
+            if known is not None and known[0]() is tensor:
+                known[1].append(position)
+                return
+            positions = [position]
+            self._hooked[id(tensor)] = (weakref.ref(tensor), positions)
+            self._tensor_handles.append(tensor.register_hook(partial(self._reached, positions)))
         except Exception as exc:  # noqa: BLE001 - the user's forward goes on
             self.failed(exc)
 
-    def _reached(self, position: int, grad: torch.Tensor) -> None:
+    def _reached(self, positions: list[int], grad: torch.Tensor) -> None:
         try:
             with torch.no_grad():
                 dtype = torch.float64 if grad.dtype == torch.float64 else torch.float32
-                self.fires.append((position, torch.linalg.vector_norm(grad.detach(), dtype=dtype)))
+                norm = torch.linalg.vector_norm(grad.detach(), dtype=dtype)
+                self.fires.extend((position, norm) for position in positions)
         except Exception as exc:  # noqa: BLE001 - the user's backward goes on
             self.failed(exc)
 

@@ -195,7 +195,7 @@ def read(path: str) -> tuple[pd.DataFrame, list[Alert]]:
 
 
 def read_csv(path: str) -> tuple[pd.DataFrame, list[Alert]]:
-    frame = pd.read_csv(path, keep_default_na=False, na_values={"value": ["nan"]}, float_precision="round_trip",
+    frame = pd.read_csv(path, keep_default_na=False, na_values={"value": ["nan"]},
                         dtype={"step": np.int64, "kind": str, "name": str, "stat": str, "value": np.float64})
     if list(frame.columns) != list(COLUMNS):
         raise ValueError(f"{path} has columns {list(frame.columns)}, not a monitor's {list(COLUMNS)}")
