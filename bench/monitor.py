@@ -32,8 +32,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import backlens as bl  # noqa: E402
 from overhead import make_model  # noqa: E402
+
+import backlens as bl  # noqa: E402
 
 GRAD_STATS = ("norm", "absmax", "nonfinite")
 

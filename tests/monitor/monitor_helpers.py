@@ -5,6 +5,7 @@ gradients (through retain_grad, not the monitor's tensor hooks)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import torch
@@ -69,10 +70,7 @@ def train(model, optimizer, steps: int, micro: int = 1, seen: Seen | None = None
         outputs = []
         handles = []
         if seen is not None:
-            def keep(module, _args, output, name):
-                output.retain_grad()
-                outputs.append((name, output))
-            handles = [m.register_forward_hook(lambda m, a, o, n=n: keep(m, a, o, n)) for n, m in model.named_modules()]
+            handles = [m.register_forward_hook(partial(_retain, outputs, n)) for n, m in model.named_modules()]
         for k in range(micro):
             loss_of(model(batch(step, k))).div(micro).backward()
         for handle in handles:
@@ -85,6 +83,11 @@ def train(model, optimizer, steps: int, micro: int = 1, seen: Seen | None = None
             inject(step, model)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
+
+def _retain(outputs: list, name: str, _module, _args, output) -> None:
+    output.retain_grad()
+    outputs.append((name, output))
 
 
 def value(frame, step: int, kind: str, name: str, stat: str) -> float:

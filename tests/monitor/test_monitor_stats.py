@@ -144,7 +144,7 @@ def test_without_an_optimizer_mon_step_records_the_gradients_after_the_backward(
     model = net()
     grads = []
     with bl.monitor(model, every=2) as mon:
-        for step in range(4):
+        for _step in range(4):
             model.zero_grad(set_to_none=True)
             model(torch.randn(5, 6)).pow(2).mean().backward()
             grads.append({n: p.grad.clone() for n, p in model.named_parameters()})

@@ -12,8 +12,8 @@ tensor hook reads the gradient and returns nothing, so it never changes one.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 import weakref
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
