@@ -28,6 +28,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import backlens as bl
 
+sys.path.insert(0, str(Path(__file__).parent))
+import monitor_scenarios  # noqa: E402
+
 SLEEP = 0.3  # seconds rank 1 sleeps in the slow module's backward
 
 
@@ -327,6 +330,8 @@ def main() -> None:
         rank.scenario("desync", lambda: rank.desync("desync"))
         rank.scenario("live_ddp", lambda: rank.live("live_ddp", "ddp"))
         rank.scenario("live_fsdp", lambda: rank.live("live_fsdp", "fsdp"))
+        rank.scenario("monitor_ddp", lambda: monitor_scenarios.ddp(out, rank.rank))
+        rank.scenario("monitor_fsdp", lambda: monitor_scenarios.fsdp(out, rank.rank))
         rank.save()
     finally:
         dist.destroy_process_group()
