@@ -62,3 +62,37 @@ def test_the_callback_records_the_gradients_the_trainers_optimizer_steps_with(tm
 def test_a_mistyped_callback_option_is_refused_when_the_callback_is_made():
     with pytest.raises(bl.UnsupportedInputError, match="spike_factor="):
         bl.monitor_callback(spike_facter=3.0)
+
+
+class Wrapped:
+    """What accelerate hands a callback under fp16: the torch optimizer and the scaler, wrapped."""
+
+    def __init__(self, optimizer, scaler):
+        self.optimizer, self.scaler = optimizer, scaler
+
+    def step(self):
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+
+
+def test_the_callback_takes_the_wrapped_scaler_and_marks_each_skipped_step_once():
+    from types import SimpleNamespace
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    wrapped = Wrapped(torch.optim.SGD(model.parameters(), lr=0.1), torch.amp.GradScaler("cpu"))
+    callback = bl.monitor_callback(outputs=True)
+    state = SimpleNamespace(global_step=0)
+    callback.on_train_begin(None, state, None, model=model, optimizer=wrapped)
+    for step in range(3):
+        wrapped.scaler.scale(model(torch.randn(2, 4)).sum()).backward()
+        if step == 1:
+            model[0].bias.grad[0] = float("inf")
+        wrapped.step()
+        callback.on_optimizer_step(None, state, None)
+        model.zero_grad()
+    callback.on_train_end(None, state, None)
+    frame = callback.monitor.to_pandas()
+    assert sorted(set(frame.step)) == [0, 1, 2]
+    assert frame[frame.kind == "step"].step.tolist() == [1]
+    assert "step" not in wrapped.scaler.__dict__

@@ -2,13 +2,16 @@
 
 When training begins the callback monitors the Trainer's model and the
 torch optimizer inside its (accelerate-wrapped) optimizer, numbering steps
-as the Trainer's ``global_step`` does; it notes the optimizer steps the
-mixed-precision scaler skipped (``on_optimizer_step`` without the optimizer
-having stepped) and closes the monitor when training ends.
+as the Trainer's ``global_step`` does. Mixed precision: the wrapper's
+GradScaler (accelerate keeps it as ``optimizer.scaler``) is handed to the
+monitor as ``scaler=``, which sees the steps it skips and unscales output
+gradients; any other skipped step shows as ``on_optimizer_step`` without the
+optimizer having stepped. The monitor is closed when training ends.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -79,6 +82,9 @@ if TrainerCallback is not None:
                                      keep=opts["keep"], spike_factor=opts["spike_factor"], window=opts["window"],
                                      on_alert=opts["on_alert"], scaler=None, has_optimizer=True,
                                      where="bl.monitor_callback")
+            scaler = getattr(optimizer, "scaler", None)
+            if scaler is not None and all(hasattr(scaler, n) for n in ("step", "unscale_", "get_scale")):
+                checked = replace(checked, scaler=scaler)
             sinks = open_sinks(opts["sink"], "bl.monitor_callback", opened=rank_writes())
             self.monitor = Monitor(model, inner, checked, sinks, start_step=state.global_step)
             self._posts = self.monitor._posts
@@ -87,8 +93,8 @@ if TrainerCallback is not None:
             monitor = self.monitor
             if monitor is None or monitor.closed:
                 return
-            if monitor._posts == self._posts:  # the scaler skipped the optimizer's step
-                monitor._skipped_elsewhere()
+            if monitor._posts == self._posts and monitor._options.scaler is None:
+                monitor._skipped_elsewhere()  # a step skipped out of the monitor's sight
             self._posts = monitor._posts
 
         def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pandas as pd
 import torch
 from torch import nn
 
@@ -34,6 +33,9 @@ from backlens.monitoring.outputs import OutputWatch, watch_module_outputs
 from backlens.monitoring.series import Series, Store
 from backlens.monitoring.sinks import CallableSink, Sink
 from backlens.monitoring.stats import ParamCopies, StepWork, local
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 SPIKE_STATS = ("norm", "absmax", "update_ratio")
 

@@ -8,10 +8,12 @@ numpy operations and no Python object per row; rows become a DataFrame (or
 from __future__ import annotations
 
 from collections import deque
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
-import pandas as pd
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 COLUMNS = ("step", "kind", "name", "stat", "value")
 ROOT_TAG_NAME = "(model)"  # the model's own address, "", where a name must not be empty
@@ -68,6 +70,8 @@ class Series:
         return [Row(step, kinds[i], names[i], stats[i], v) for i, v in zip(ids.tolist(), values.tolist())]
 
     def frame(self, steps: list[int], ids: list[np.ndarray], values: list[np.ndarray]) -> pd.DataFrame:
+        import pandas as pd
+
         if not steps:
             return empty_frame()
         every_id = np.concatenate(ids)
@@ -82,6 +86,8 @@ class Series:
 
 
 def empty_frame() -> pd.DataFrame:
+    import pandas as pd
+
     return pd.DataFrame({"step": np.array([], dtype=np.int64), "kind": np.array([], dtype=str),
                          "name": np.array([], dtype=str), "stat": np.array([], dtype=str),
                          "value": np.array([], dtype=np.float64)}, columns=list(COLUMNS))

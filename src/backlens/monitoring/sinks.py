@@ -17,14 +17,16 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pandas as pd
 
 from backlens.errors import UnsupportedInputError
 from backlens.monitoring.alerts import Alert
 from backlens.monitoring.series import COLUMNS, ROOT_TAG_NAME, Series, empty_frame, tag_of
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 ALERT_TAG = "alerts"
 KINDS = ("param", "module", "output", "step")
@@ -195,6 +197,8 @@ def read(path: str) -> tuple[pd.DataFrame, list[Alert]]:
 
 
 def read_csv(path: str) -> tuple[pd.DataFrame, list[Alert]]:
+    import pandas as pd
+
     frame = pd.read_csv(path, keep_default_na=False, na_values={"value": ["nan"]},
                         dtype={"step": np.int64, "kind": str, "name": str, "stat": str, "value": np.float64})
     if list(frame.columns) != list(COLUMNS):
@@ -207,6 +211,7 @@ def read_csv(path: str) -> tuple[pd.DataFrame, list[Alert]]:
 
 
 def read_tensorboard(directory: str) -> tuple[pd.DataFrame, list[Alert]]:
+    import pandas as pd
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.util import tensor_util
 
