@@ -11,7 +11,7 @@ from backlens.derive.frameworks import refuse_other_framework
 from backlens.errors import UnsupportedInputError
 from backlens.monitoring import options as _options
 from backlens.monitoring.alerts import Alert
-from backlens.monitoring.monitor import Monitor, rank_writes
+from backlens.monitoring.gradient_monitor import Monitor, rank_writes
 from backlens.monitoring.series import Row
 from backlens.monitoring.sinks import open_sinks
 

@@ -18,7 +18,7 @@ import torch
 
 from backlens.errors import UnsupportedInputError
 from backlens.monitoring import options as _options
-from backlens.monitoring.monitor import Monitor, rank_writes
+from backlens.monitoring.gradient_monitor import Monitor, rank_writes
 from backlens.monitoring.sinks import open_sinks
 
 try:

@@ -38,13 +38,14 @@ LOCAL = frozenset({"fires", "scale", "found_inf"})
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
-    """The values this process holds: a DTensor's local shard, a sparse tensor's values."""
+    """The values this process holds: a DTensor's local shard, a sparse tensor's values (called
+    under ``torch.no_grad()``, so nothing here is recorded by autograd)."""
     to_local = getattr(tensor, "to_local", None)
     if to_local is not None:
         tensor = to_local()
     if tensor.is_sparse:
         tensor = tensor.coalesce().values()
-    return tensor.detach()
+    return tensor
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
