@@ -157,4 +157,7 @@ def test_an_error_in_on_alert_reaches_the_user():
             assert "gradient_nonfinite" in str(exc)
         else:
             raise AssertionError("on_alert's error was swallowed")
+        model.weight.grad = torch.ones(1, 3)
+        mon.step()  # the failed step still counted: this is step 1
     mon.close()
+    assert sorted(set(mon.to_pandas().step)) == [0, 1]

@@ -71,6 +71,8 @@ def test_a_callable_gets_each_recorded_steps_rows(tmp_path):
         expected = frame[frame.step == step]
         assert [tuple(r) for r in rows] == list(expected.itertuples(index=False, name=None))
         assert rows[0].tag == f"{rows[0].stat}/{rows[0].kind}/{rows[0].name}"
+        assert rows[0]["value"] == rows[0].value == rows[0][4]
+        assert pd.DataFrame(rows).equals(expected.reset_index(drop=True))
 
 
 def test_several_sinks_get_the_same_rows(tmp_path):

@@ -118,10 +118,12 @@ class Monitor:
                 "monitor.step(): this monitor records at its optimizer's step already.",
                 code="monitor_step_with_optimizer",
                 remedy="Call optimizer.step() alone, or make the monitor without the optimizer.")
-        if self._recording():
-            self._safely(self._begin)
-            self._finish(skipped=False)
-        self._advance()
+        try:
+            if self._recording():
+                self._safely(self._begin)
+                self._finish(skipped=False)
+        finally:  # also when on_alert raises: the step happened
+            self._advance()
 
     def to_pandas(self) -> pd.DataFrame:
         """One row per value of the recorded steps kept in memory (the latest ``keep``):
@@ -230,9 +232,11 @@ class Monitor:
 
     def _post_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
         self._posts += 1
-        if self._step % self._options.every == 0:
-            self._finish(skipped=False)
-        self._advance()
+        try:
+            if self._step % self._options.every == 0:
+                self._finish(skipped=False)
+        finally:  # also when on_alert raises: the step happened
+            self._advance()
 
     def _scaled_step(self, original: Any, optimizer: Any, args: tuple, kwargs: dict) -> Any:
         posts = self._posts
@@ -250,10 +254,12 @@ class Monitor:
     def _skipped_elsewhere(self) -> None:
         """An optimizer step a mixed-precision scaler skipped: its (unscaled) gradients are
         recorded and the step marked, and it counts as a step."""
-        if self._recording():
-            self._safely(self._begin, False)
-            self._finish(skipped=True)
-        self._advance()
+        try:
+            if self._recording():
+                self._safely(self._begin, False)
+                self._finish(skipped=True)
+        finally:
+            self._advance()
 
     def _begin(self, copy: bool = True) -> None:
         """Statistics of the gradients as the optimizer gets them, on the device; with ``copy``,

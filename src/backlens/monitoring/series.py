@@ -29,6 +29,9 @@ class Row(NamedTuple):
     stat: str
     value: float
 
+    def __getitem__(self, key):  # row["value"] as well as row.value and row[4]
+        return getattr(self, key) if isinstance(key, str) else tuple.__getitem__(self, key)
+
     @property
     def tag(self) -> str:
         """``stat/kind/name``: the TensorBoard tag (``norm/param/lin.weight``), a metric name
