@@ -68,7 +68,7 @@ def grads_report(frame: pd.DataFrame, alerts: list[Any], title: str) -> Report:
                ("last step", steps[-1] if steps else ""), ("parameters", int(params)),
                ("modules holding parameters", int(modules)), ("steps skipped by the GradScaler", len(skipped)),
                ("alerts", len(alerts))]
-    report.sections.append(Table("Run", ["", ""], summary))
+    report.sections.append(Table("Run", ["", "value"], summary))
     if alerts:
         report.sections.append(Table("Alerts", ["step", "alert", "kind", "name", "stat", "value", "baseline", "message"],
                                      [(a.step, a.code, a.kind, _label(a.name), a.stat, a.value,
