@@ -25,19 +25,17 @@ from backlens._distributed import rank_and_world_size
 from backlens._fence import complete
 from backlens._warn import warn
 from backlens.errors import CaptureClosedError, UnsupportedInputError
-from backlens.monitoring import rollup
 from backlens.monitoring.alerts import Alert, SpikeWatch, nonfinite_alert, spike_alert
 from backlens.monitoring.layout import Layout, layout_of, unwrapped
 from backlens.monitoring.options import Options
 from backlens.monitoring.outputs import OutputWatch, watch_module_outputs
+from backlens.monitoring.rows import SeriesIds, StepValues, first_nonfinite_output, step_rows
 from backlens.monitoring.series import Series, Store
 from backlens.monitoring.sinks import CallableSink, Sink
 from backlens.monitoring.stats import ParamCopies, StepWork, local
 
 if TYPE_CHECKING:
     import pandas as pd
-
-SPIKE_STATS = ("norm", "absmax", "update_ratio")
 
 
 class Monitor:
@@ -70,7 +68,7 @@ class Monitor:
         self._store = Store(self._series, options.keep)
         self._spikes = SpikeWatch(options.spike_factor, options.window)
         self._rank, self._world = self._place()
-        self._ids()
+        self._ids = SeriesIds.make(self._series, self._layout, self._stats)
         self._handles: list[Any] = []
         self._scaler_step: Any = None
         self._outputs: OutputWatch | None = None
@@ -167,18 +165,6 @@ class Monitor:
         import torch.distributed as dist
 
         return dist.get_rank(group), dist.get_world_size(group)
-
-    def _ids(self) -> None:
-        series, layout, stats = self._series, self._layout, self._stats
-        self._param_ids = {stat: series.ids("param", layout.names, stat) for stat in stats}
-        self._module_ids = {stat: series.ids("module", layout.modules, stat) for stat in stats}
-        self._output_ids = series.ids("output", [a for a, _m in layout.called], "norm")
-        self._skipped_id = series.id("step", "", "skipped")
-        spiking = [self._param_ids[s] for s in SPIKE_STATS if s in stats]
-        spiking += [self._module_ids[s] for s in SPIKE_STATS if s in stats]
-        spiking.append(self._output_ids)
-        self._spiking = np.zeros(len(series), dtype=bool)
-        self._spiking[np.concatenate(spiking)] = True
 
     def _wrap_scaler(self, scaler: Any) -> None:
         """Note the steps the GradScaler skips: its ``step`` on this instance runs through the
@@ -306,12 +292,11 @@ class Monitor:
             self._raise(alert)
 
     def _rows(self, skipped: bool, alerts: list[Alert]) -> tuple[np.ndarray, np.ndarray]:
-        work, layout, stats = self._work, self._layout, self._stats
+        work, layout = self._work, self._layout
         if work is None:
             raise RuntimeError("the step's statistics were not started")
-        present = work.present
         with torch.no_grad():
-            if "update_ratio" in stats and len(work.copied) and not skipped:
+            if "update_ratio" in self._stats and len(work.copied) and not skipped:
                 self._copies.measure(work, [layout.params[i] for i in work.copied])
             fires = self._outputs.take() if self._outputs is not None else []
             if fires:
@@ -320,95 +305,57 @@ class Monitor:
                     norms = [norm.to(torch.float64) for norm in norms]
                 work.put("fires", np.arange(len(fires)), torch.stack(norms).to(torch.float64), len(fires))
             read = work.read()
-        if "scale" in read:  # gradients a fused optimizer unscales itself
+        scale = read["scale"][0] if "scale" in read else None  # a fused optimizer unscales itself
+        if scale is not None:
             for key in ("norm", "absmax"):
                 if key in read:
-                    read[key] = read[key] / read["scale"][0]
+                    read[key] = read[key] / scale
         if "found_inf" in read and read["found_inf"][0] > 0:
             skipped = True
-        trigger = read.get("absmax", read.get("norm", np.full(len(layout.params), np.nan)))
+        fire_norms = read["fires"] if fires else np.zeros(0)
+        loss_scale = self._loss_scale or scale
+        if loss_scale:  # output gradients come from the backward of the scaled loss
+            fire_norms = fire_norms / loss_scale
+        step = StepValues(work.present, work.copied, read, self._count_nonfinite(work.present, read),
+                          np.array([position for position, _n in fires], dtype=np.int64), fire_norms, skipped)
+        ids, values = step_rows(layout, self._ids, self._stats, step)
+        if not skipped:  # a step the scaler skipped: its infinities were handled, and it set no baseline
+            self._alerts_of(step, ids, values, alerts)
+        return ids, values
+
+    def _count_nonfinite(self, present: np.ndarray, read: dict[str, np.ndarray]) -> np.ndarray:
+        """Non-finite values per parameter, counted (a second pass, a second read-back) only for
+        gradients whose max |g| (or norm) is not finite."""
+        layout = self._layout
         counts = np.zeros(len(layout.params))
-        bad = present[~np.isfinite(trigger[present])] if len(present) else present
+        trigger = read.get("absmax", read.get("norm"))
+        if trigger is None or not len(present):
+            return counts
+        bad = present[~np.isfinite(trigger[present])]
         if len(bad):
             counting = StepWork(layout, self._rank, self._world)
             with torch.no_grad():
                 counting.counts(bad, [local(layout.params[i].grad) for i in bad])
             counts[bad] = counting.read()["count"][bad]
+        return counts
 
-        id_parts, value_parts = [], []
-        members = layout.members[:, present]
-        held = members.any(axis=1)
-        members = members[held]
-
-        def add(ids: np.ndarray, values: np.ndarray) -> None:
-            id_parts.append(ids)
-            value_parts.append(values)
-
-        for stat in stats:
-            if stat == "update_ratio":
-                copied = work.copied
-                if not len(copied):
-                    continue
-                if skipped:
-                    ratio = np.zeros(len(copied))  # the scaler skipped it: no parameter moved
-                    module_ratio = np.zeros(int(layout.members[:, copied].any(axis=1).sum()))
-                else:
-                    with np.errstate(divide="ignore", invalid="ignore"):
-                        ratio = read["dnorm"][copied] / read["wnorm"][copied]
-                        inside = layout.members[:, copied]
-                        module_ratio = (rollup.norm_over(inside, read["dnorm"][copied])
-                                        / rollup.norm_over(inside, read["wnorm"][copied]))[inside.any(axis=1)]
-                add(self._param_ids[stat][copied], ratio)
-                add(self._module_ids[stat][layout.members[:, copied].any(axis=1)], module_ratio)
-                continue
-            if stat == "norm":
-                values = read["norm"][present]
-                module_values = rollup.norm_over(members, values)
-            elif stat == "absmax":
-                values = read["absmax"][present]
-                module_values = rollup.max_over(members, values)
-            else:
-                values = counts[present]
-                module_values = rollup.sum_over(members, values)
-            add(self._param_ids[stat][present], values)
-            add(self._module_ids[stat][held], module_values)
-        first_bad_output = None
-        if fires:
-            fired = np.array([position for position, _n in fires], dtype=np.int64)
-            norms = read["fires"][: len(fires)]
-            loss_scale = self._loss_scale or (read["scale"][0] if "scale" in read else None)
-            if loss_scale:  # the backward ran on a scaled loss
-                norms = norms / loss_scale
-            positions = np.unique(fired)  # in the model's module order
-            squares = np.zeros(len(layout.called))
-            np.add.at(squares, fired, np.square(norms))  # several calls or micro-batches: one norm over all
-            finite = np.isfinite(norms)
-            if not finite.all():
-                first_bad_output = layout.called[fired[np.flatnonzero(~finite)[0]]][0]
-            add(self._output_ids[positions], np.sqrt(squares[positions]))
-        if skipped:
-            add(np.array([self._skipped_id]), np.ones(1))
-        ids = np.concatenate(id_parts) if id_parts else np.zeros(0, dtype=np.int64)
-        values = np.concatenate(value_parts) if value_parts else np.zeros(0)
-
-        if not skipped:
-            nonfinite = present[(counts[present] > 0) | ~np.isfinite(trigger[present])] if len(present) else present
-            if len(nonfinite) and not self._nonfinite_alerted:
-                self._nonfinite_alerted = True
-                named = [(layout.names[i], layout.owners[i], counts[i]) for i in nonfinite[::-1]]
-                alerts.append(nonfinite_alert(self._step, named, first_bad_output))
-            watched = self._spiking[ids]
-            spike_ids, spike_values = ids[watched], values[watched]
-            found, baselines = self._spikes.check(spike_ids, spike_values)
-            if len(found):
-                ratios = spike_values[found] / baselines
-                worst = int(np.argmax(ratios))
-                series = int(spike_ids[found[worst]])
-                alerts.append(spike_alert(self._step, self._series.kinds[series], self._series.names[series],
-                                          self._series.stats[series], float(spike_values[found[worst]]),
-                                          float(baselines[worst]), len(found) - 1, self._options.window))
-            self._spikes.add(spike_ids, spike_values)
-        return ids, values
+    def _alerts_of(self, step: StepValues, ids: np.ndarray, values: np.ndarray, alerts: list[Alert]) -> None:
+        layout = self._layout
+        nonfinite = step.present[step.counts[step.present] > 0]
+        if len(nonfinite) and not self._nonfinite_alerted:
+            self._nonfinite_alerted = True
+            named = [(layout.names[i], layout.owners[i], step.counts[i]) for i in nonfinite[::-1]]
+            alerts.append(nonfinite_alert(self._step, named, first_nonfinite_output(layout, step)))
+        watched = self._ids.spiking[ids]
+        spike_ids, spike_values = ids[watched], values[watched]
+        found, baselines = self._spikes.check(spike_ids, spike_values)
+        if len(found):
+            worst = int(np.argmax(spike_values[found] / baselines))
+            series = int(spike_ids[found[worst]])
+            alerts.append(spike_alert(self._step, self._series.kinds[series], self._series.names[series],
+                                      self._series.stats[series], float(spike_values[found[worst]]),
+                                      float(baselines[worst]), len(found) - 1, self._options.window))
+        self._spikes.add(spike_ids, spike_values)
 
     # -- alerts and failures -----------------------------------------------------------
     def _remember(self, alert: Alert) -> None:
