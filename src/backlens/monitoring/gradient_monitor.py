@@ -298,12 +298,10 @@ class Monitor:
         with torch.no_grad():
             if "update_ratio" in self._stats and len(work.copied) and not skipped:
                 self._copies.measure(work, [layout.params[i] for i in work.copied])
-            fires = self._outputs.take() if self._outputs is not None else []
-            if fires:
-                norms = [norm for _p, norm in fires]
-                if len({norm.dtype for norm in norms}) > 1:
-                    norms = [norm.to(torch.float64) for norm in norms]
-                work.put("fires", np.arange(len(fires)), torch.stack(norms).to(torch.float64), len(fires))
+            fired = self._outputs.take() if self._outputs is not None else None
+            fired_at = fired.positions if fired is not None else np.zeros(0, dtype=np.int64)
+            for slots, norms in fired.chunks if fired is not None else ():
+                work.put("fires", slots, norms, fired.size)
             read = work.read()
         scale = read["scale"][0] if "scale" in read else None  # a fused optimizer unscales itself
         if scale is not None:
@@ -312,12 +310,12 @@ class Monitor:
                     read[key] = read[key] / scale
         if "found_inf" in read and read["found_inf"][0] > 0:
             skipped = True
-        fire_norms = read["fires"] if fires else np.zeros(0)
+        fire_norms = read["fires"][fired.slots] if len(fired_at) else np.zeros(0)
         loss_scale = self._loss_scale or scale
         if loss_scale:  # output gradients come from the backward of the scaled loss
             fire_norms = fire_norms / loss_scale
         step = StepValues(work.present, work.copied, read, self._count_nonfinite(work.present, read),
-                          np.array([position for position, _n in fires], dtype=np.int64), fire_norms, skipped)
+                          fired_at, fire_norms, skipped)
         ids, values = step_rows(layout, self._ids, self._stats, step)
         if not skipped:  # a step the scaler skipped: its infinities were handled, and it set no baseline
             self._alerts_of(step, ids, values, alerts)

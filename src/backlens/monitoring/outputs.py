@@ -14,26 +14,40 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from backlens._nested import first_tensor
 
 
-class OutputWatch:
-    """Forward hooks on ``modules`` while armed; each firing gradient's norm in firing order.
+@dataclass
+class Fired:
+    """The output gradients of a step: ``positions`` (the module of each, in backward order, the
+    order the engine reached them), ``slots`` (where its norm is among ``size`` norms: modules
+    returning the same tensor share one) and the norms as ``(slots, values)`` chunks on the device."""
 
-    ``fires`` lists ``(module position, 0-d float32 norm)`` in backward order
-    (the order the engine reached the outputs); :meth:`take` hands them over.
-    """
+    positions: np.ndarray
+    slots: np.ndarray
+    size: int
+    chunks: list[tuple[np.ndarray, torch.Tensor]]
+
+
+class OutputWatch:
+    """Forward hooks on ``modules`` while armed; each firing gradient's norm written, in firing
+    order, into one preallocated vector per device and dtype (no allocation that outlives the
+    hook: small tensors kept across a backward fragment the C heap, which then faults pages in
+    again every step)."""
 
     def __init__(self, modules: list[tuple[str, nn.Module]], failed: Callable[[BaseException], None]):
         self.modules = modules
         self.failed = failed
-        self.fires: list[tuple[int, torch.Tensor]] = []
+        self.fires: list[tuple[int, tuple, int]] = []  # (module position, vector key, index in it)
+        self._vectors: dict[tuple, list] = {}  # (device, dtype) -> [vector, used]
         self._forward_handles: list[Any] = []
         self._tensor_handles: list[Any] = []
         self._hooked: dict[int, tuple[weakref.ref, list[int]]] = {}  # id(tensor) -> tensor, its modules
@@ -60,13 +74,23 @@ class OutputWatch:
             handle.remove()
         self._hooked = {}
 
-    def take(self) -> list[tuple[int, torch.Tensor]]:
+    def take(self) -> Fired:
+        """The step's output gradient norms (float64, on their devices), and a fresh start."""
         fires, self.fires = self.fires, []
         waiting, self._tensor_handles = self._tensor_handles, []
         for handle in waiting:  # outputs whose gradient never came (an evaluation forward)
             handle.remove()
         self._hooked = {}
-        return fires
+        chunks, offsets, size = [], {}, 0
+        for key, entry in self._vectors.items():
+            vector, used = entry
+            if used:
+                offsets[key] = size
+                chunks.append((np.arange(size, size + used), vector[:used].to(torch.float64)))
+                size += used
+                entry[1] = 0
+        return Fired(np.array([position for position, _k, _i in fires], dtype=np.int64),
+                     np.array([offsets[key] + index for _p, key, index in fires], dtype=np.int64), size, chunks)
 
     def _called(self, position: int, _module: nn.Module, _args: Any, output: Any) -> None:
         try:
@@ -87,8 +111,17 @@ class OutputWatch:
         try:
             with torch.no_grad():
                 dtype = torch.float64 if grad.dtype == torch.float64 else torch.float32
-                norm = torch.linalg.vector_norm(grad.detach(), dtype=dtype)
-                self.fires.extend((position, norm) for position in positions)
+                key = (grad.device, dtype)
+                entry = self._vectors.get(key)
+                if entry is None:
+                    entry = self._vectors[key] = [torch.empty(4 * len(self.modules) + 4, dtype=dtype,
+                                                              device=grad.device), 0]
+                vector, used = entry
+                if used == len(vector):  # more gradients than expected this step: twice the room
+                    entry[0] = vector = torch.cat([vector, torch.empty_like(vector)])
+                torch.linalg.vector_norm(grad, dtype=dtype, out=vector[used])
+                entry[1] = used + 1
+                self.fires.extend((position, key, used) for position in positions)
         except Exception as exc:  # noqa: BLE001 - the user's backward goes on
             self.failed(exc)
 

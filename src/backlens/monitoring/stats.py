@@ -190,7 +190,7 @@ class ParamCopies:
         if (self.buffers is None or self.indices is None or not np.array_equal(self.indices, indices)
                 or any(b.shape != c.shape or b.dtype != c.dtype or b.device != c.device
                        for b, c in zip(self.buffers, current))):
-            self.buffers = [torch.empty_like(c, memory_format=torch.contiguous_format) for c in current]
+            self.buffers = _views_of_one_block(current)
             self.indices = indices
         _torch.foreach_copy_(self.buffers, current)
         work.norms("wnorm", indices, self.buffers)
@@ -203,3 +203,22 @@ class ParamCopies:
 
     def release(self) -> None:
         self.buffers = self.indices = None
+
+
+def _views_of_one_block(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Empty tensors shaped like ``tensors``, views of one block per device and dtype.
+
+    One large allocation (which the C allocator maps on its own) instead of one
+    per parameter: dozens of long-lived buffers in the middle of the heap made
+    glibc hand the training step's freed memory back to the OS and fault it in
+    again, 3000 page faults (10% of a GPT-2 step on CPU) per step.
+    """
+    views: list[torch.Tensor | None] = [None] * len(tensors)
+    for (device, dtype), positions in _groups(tensors).items():
+        block = torch.empty(sum(tensors[p].numel() for p in positions), dtype=dtype, device=device)
+        start = 0
+        for p in positions:
+            count = tensors[p].numel()
+            views[p] = block[start:start + count].view(tensors[p].shape)
+            start += count
+    return views  # type: ignore[return-value]
