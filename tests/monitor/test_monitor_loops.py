@@ -170,3 +170,10 @@ def test_every_skips_steps_without_touching_them():
     mon.close()
     assert armed == [True, False, False, True, False, False, True]  # output hooks only for recorded steps
     assert sorted(set(mon.to_pandas().step)) == [0, 3, 6]
+
+
+def test_a_step_without_any_gradient_records_no_rows():
+    model = torch.nn.Sequential(torch.nn.ReLU())
+    with bl.monitor(model) as mon:
+        mon.step()
+    assert mon.to_pandas().empty

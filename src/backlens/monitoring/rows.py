@@ -84,6 +84,8 @@ def step_rows(layout: Layout, ids: SeriesIds, stats: tuple[str, ...],
             add(ids.param[stat][copied], ratio)
             add(ids.module[stat][holding], module_ratio)
             continue
+        if not len(present):  # no gradient at all this step
+            continue
         if stat == "norm":
             values = read["norm"][present]
             module_values = rollup.norm_over(members, values)
