@@ -128,3 +128,28 @@ def test_backlens_report_on_a_path_without_monitor_rows_says_so(tmp_path, capsys
     assert cli_main(["report", str(tmp_path / "empty")]) == 2
     assert "holds no values a gradient monitor wrote" in capsys.readouterr().err
     assert cli_main(["report", str(tmp_path / "missing")]) == 2
+
+
+def test_a_non_finite_gradient_is_a_red_cell_and_the_non_finite_heatmap_appears():
+    model = net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with bl.monitor(model, optimizer, stats=("norm", "nonfinite")) as mon:
+            for step in range(4):
+                loss_of(model(batch(step))).backward()
+                if step == 2:
+                    model.head.bias.grad[0] = float("nan")
+                optimizer.step()
+                optimizer.zero_grad()
+    html = grads_report(mon.to_pandas(), mon.alerts, "t").to_html()
+    images = re.findall(r"<svg[^>]*class='heatmap'.*?href='(data:image/png;base64,[^']+)'", html, re.S)
+    assert len(images) == 2  # norm and non-finite values
+    names, _steps, _values, _recorded = grid(mon.to_pandas(), "module", "norm")
+    norm_pixels = png_pixels(images[0])
+    red = {(names[r], c) for r, c in zip(*np.nonzero((norm_pixels == figures.NONFINITE_RGB).all(axis=-1)))}
+    # step 2: the model and head hold head.bias; step 3: the NaN stepped into every weight
+    assert {name for name, column in red if column == 2} == {"", "head"}
+    assert {name for name, column in red if column == 3} == set(names)
+    assert not {column for _name, column in red} & {0, 1}
+    assert "gradient_nonfinite" in html and "head.bias" in html
