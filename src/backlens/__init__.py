@@ -37,6 +37,7 @@ from backlens.errors import (
 from backlens.graph.engine import CallSite
 from backlens.io.disk_store import to_disk
 from backlens.live import Batcher, Lens, Tracer, save, wrap
+from backlens.monitoring import monitor, monitor_callback
 from backlens.records.backward import BackwardPass, GradFn, GradFnCall
 from backlens.records.grads import GradRecord
 from backlens.report.doctor import doctor
@@ -116,6 +117,9 @@ __all__ = [
     "Tracer",
     "save",
     "wrap",
+    # across training steps
+    "monitor",
+    "monitor_callback",
     # reports and tools
     "Explanation",
     "ValidationResult",

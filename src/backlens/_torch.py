@@ -887,3 +887,52 @@ def module_parts(module: torch.nn.Module) -> tuple[Any, Any, Any]:
     return (module.named_parameters(recurse=False, remove_duplicate=False),
             module.named_buffers(recurse=False, remove_duplicate=False),
             list(module.named_children()))
+
+
+# gradient monitor
+# The monitor's per-step statistics run torch's multi-tensor ("foreach") kernels:
+# one call over every gradient instead of a Python loop of launches (on CPU a
+# few percent faster, on an accelerator one fused launch instead of hundreds).
+# They are underscore names in the torch namespace; without them the monitor
+# loops over the tensors with the public per-tensor ops, same results.
+
+_foreach_norm = getattr(torch, "_foreach_norm", None)
+_foreach_copy = getattr(torch, "_foreach_copy_", None)
+_foreach_sub = getattr(torch, "_foreach_sub_", None)
+
+HAS_FOREACH_KERNELS = None not in (_foreach_norm, _foreach_copy, _foreach_sub)
+
+CAPABILITIES = (
+    *CAPABILITIES,
+    Capability(
+        "HAS_FOREACH_KERNELS",
+        HAS_FOREACH_KERNELS,
+        "the gradient monitor's norms, parameter copies and updates in one multi-tensor call each",
+        "the monitor loops over tensors with torch.linalg.vector_norm, copy_ and sub_ (slower, same values)",
+    ),
+)
+
+
+def foreach_norm(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """The L2 norm of each tensor, accumulated and returned in ``dtype`` (0-d tensors)."""
+    if HAS_FOREACH_KERNELS:
+        return list(_foreach_norm(tensors, 2, dtype=dtype))
+    return [torch.linalg.vector_norm(t, dtype=dtype) for t in tensors]
+
+
+def foreach_copy_(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """``d.copy_(s)`` for each pair."""
+    if HAS_FOREACH_KERNELS:
+        _foreach_copy(destinations, sources)
+        return
+    for destination, source in zip(destinations, sources):
+        destination.copy_(source)
+
+
+def foreach_sub_(tensors: list[torch.Tensor], others: list[torch.Tensor]) -> None:
+    """``t.sub_(o)`` for each pair."""
+    if HAS_FOREACH_KERNELS:
+        _foreach_sub(tensors, others)
+        return
+    for tensor, other in zip(tensors, others):
+        tensor.sub_(other)

@@ -1,4 +1,4 @@
-"""The ``backlens`` command: ``demo``, ``profile``, ``show`` and ``doctor``.
+"""The ``backlens`` command: ``demo``, ``profile``, ``show``, ``doctor`` and ``report``.
 
 Bad input gets one clear line on stderr and exit code 2; ``--debug`` shows
 the traceback instead.
@@ -70,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--timeline", help="write the backward as Trace Event JSON (Perfetto, chrome://tracing)")
 
     commands.add_parser("doctor", help="print torch version and capability flags")
+    _add_report_command(commands)
     return parser
 
 
@@ -88,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             from backlens.report.doctor import doctor
 
             doctor()
+        elif args.command == "report":
+            _report(args)
     except UsageError as exc:
         if args.debug:
             raise
@@ -390,6 +393,45 @@ def _show_derived(console, args, derived) -> None:
         norm = "" if row.grad_norm is None else f"{row.grad_norm:.4g}"
         table.add_row(row.kind, row.name, str(row.shape), row.dtype, norm)
     console.print(table)
+
+
+# -- report: the gradient monitor's page from what its sink wrote ----------------------------
+
+def _add_report_command(commands) -> None:
+    report = commands.add_parser(
+        "report", help="draw the HTML page of a gradient monitor's run (bl.monitor with a sink)")
+    report.add_argument("run", help="the monitor's TensorBoard directory, or its .csv file")
+    report.add_argument("--html", help="where to write the page (default: RUN/grads.html for a directory, "
+                                       "RUN with .html for a CSV file)")
+
+
+def _report(args) -> None:
+    from rich.console import Console
+
+    from backlens.monitoring.sinks import read
+    from backlens.report.grads import grads_report
+
+    run = os.fspath(args.run)
+    if not os.path.exists(run):
+        raise UsageError(f"{run} does not exist (pass the directory or .csv file given to bl.monitor as sink=)")
+    try:
+        frame, alerts = read(run)
+    except ImportError as exc:
+        raise UsageError(f"reading TensorBoard event files needs the tensorboard package ({exc}): "
+                         f"pip install 'backlens[monitor]'") from exc
+    except (FileNotFoundError, ValueError) as exc:
+        raise UsageError(str(exc)) from exc
+    if frame.empty:
+        raise UsageError(f"{run} holds no values a gradient monitor wrote (tags such as norm/param/NAME)")
+    out = args.html or (os.path.join(run, "grads.html") if os.path.isdir(run)
+                        else os.path.splitext(run)[0] + ".html")
+    name = os.path.basename(os.path.normpath(run))
+    grads_report(frame, alerts, f"backlens monitor: {name}").write(out)
+    steps = frame["step"].nunique()
+    Console().print(f"[bold]{run}[/bold]: {steps} recorded steps, {len(alerts)} alerts")
+    for alert in alerts[:10]:
+        Console().print(f"  {alert.message}")
+    Console().print(f"HTML report: {os.path.abspath(out)}")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import backlens as bl
 
+sys.path.insert(0, str(Path(__file__).parent))
+import monitor_scenarios  # noqa: E402
+
 SLEEP = 0.3  # seconds rank 1 sleeps in the slow module's backward
 
 
@@ -368,6 +371,8 @@ def main() -> None:
         rank.scenario("live_fsdp", lambda: rank.live("live_fsdp", "fsdp"))
         rank.scenario("memory_ddp", lambda: rank.memory("memory_ddp", "ddp", gpt2, gpt2_batch, gpt2_loss))
         rank.scenario("memory_fsdp", lambda: rank.memory("memory_fsdp", "fsdp", mlp, mlp_batch, mlp_loss))
+        rank.scenario("monitor_ddp", lambda: monitor_scenarios.ddp(out, rank.rank))
+        rank.scenario("monitor_fsdp", lambda: monitor_scenarios.fsdp(out, rank.rank))
         rank.save()
     finally:
         dist.destroy_process_group()

@@ -108,6 +108,9 @@ def _cell(value: Any) -> str:
 
 
 def _render(section: Any) -> str:
+    draw = getattr(section, "to_html", None)  # a section that draws itself (report/figures.py)
+    if draw is not None:
+        return draw()
     if isinstance(section, Table):
         head = "".join(f"<th>{_e(c)}</th>" for c in section.columns)
         rows = "".join("<tr>" + "".join(_cell(v) for v in row) + "</tr>" for row in section.rows)
