@@ -12,6 +12,7 @@ import sys
 import textwrap
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -434,3 +435,27 @@ def test_without_the_checkpoint_s_recomputed_view_memory_says_recomputed_saves_a
     assert any("recomputed saves are not counted" in reason for reason in cap.memory.reasons)
     for (name, param), twin in zip(wrapped.named_parameters(), stock_twin.parameters()):
         assert torch.equal(param.grad, twin.grad), name
+
+
+def _monitored_frame(steps=3):
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    with bl.monitor(model, optimizer) as mon:
+        for _ in range(steps):
+            model(torch.randn(4, 6)).pow(2).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return mon.to_pandas().sort_values(["step", "kind", "name", "stat"]).reset_index(drop=True), model
+
+
+def test_without_foreach_kernels_the_monitor_records_the_same_stats_tensor_by_tensor(monkeypatch):
+    fused, fused_model = _monitored_frame()
+    without(monkeypatch, "HAS_FOREACH_KERNELS")
+    looped, looped_model = _monitored_frame()
+    assert fused[["step", "kind", "name", "stat"]].equals(looped[["step", "kind", "name", "stat"]])
+    assert (fused.stat == "update_ratio").any()
+    # The multi-tensor norm and the per-tensor norm may differ in their last float32 bits.
+    assert np.allclose(fused.value, looped.value, rtol=1e-6, atol=0)
+    for fused_param, looped_param in zip(fused_model.parameters(), looped_model.parameters()):
+        assert torch.equal(fused_param, looped_param)
