@@ -598,3 +598,49 @@ def drop_dispatch_modes(stale: Callable[[Any], bool]) -> int:
     if dropped:
         _recompute_dispatch_flags()
     return dropped
+
+
+# profiler ---------------------------------------------------------------------
+# While torch.profiler records, a captured backward marks each node call with a
+# range named by its module address, as torch.profiler.record_function does
+# (the profiler's own entry and exit ops, run past any dispatch mode so the
+# backward's FLOP census does not count them). Whether a profiler records is
+# asked once per pass, never per node.
+
+_profiler_enabled = _lookup(_autograd_c, "_profiler_enabled")
+_profiler_ops = getattr(torch.ops, "profiler", None)
+try:
+    _range_enter = _profiler_ops._record_function_enter_new.default if _profiler_ops is not None else None
+    _range_exit = _profiler_ops._record_function_exit._RecordFunction if _profiler_ops is not None else None
+except (AttributeError, RuntimeError):
+    _range_enter = _range_exit = None
+_disable_torch_dispatch = getattr(torch._C, "_DisableTorchDispatch", None)
+
+HAS_PROFILER_RANGES = None not in (_profiler_enabled, _range_enter, _range_exit, _disable_torch_dispatch)
+
+CAPABILITIES = (
+    *CAPABILITIES,
+    Capability(
+        "HAS_PROFILER_RANGES",
+        HAS_PROFILER_RANGES,
+        "marking a captured backward's node calls with ranges named by module address under torch.profiler",
+        "torch.profiler shows a captured backward's ops without their module",
+    ),
+)
+
+
+def profiler_recording() -> bool:
+    """Whether a torch.profiler (or the autograd profiler) records on this thread now."""
+    return HAS_PROFILER_RANGES and bool(_profiler_enabled())
+
+
+def open_profiler_range(name: str) -> Any:
+    """Begin a ``record_function`` range named ``name``; returns its handle for
+    :func:`close_profiler_range`."""
+    with _disable_torch_dispatch():
+        return _range_enter(name, None)
+
+
+def close_profiler_range(handle: Any) -> None:
+    with _disable_torch_dispatch():
+        _range_exit(handle)

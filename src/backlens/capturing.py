@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from backlens import _args, _torch
+from backlens._clock import profiler_clock_offset
 from backlens._distributed import rank_and_world_size
 from backlens._fence import complete
 from backlens._nested import iter_tensors
@@ -125,6 +126,7 @@ def capture(
     inference_mode = torch.is_inference_mode_enabled()
 
     witness = CheckpointWitness(state)
+    state.forward_clock_offset_ns = profiler_clock_offset()
     journal.seq_start = _torch.sequence_nr()
     if opaque:  # nothing of backlens in the forward: dynamo sees the model alone
         witness.journal.add_reason(COMPILED_OPAQUE)

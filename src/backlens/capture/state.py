@@ -111,6 +111,7 @@ class PassEntry:
     create_graph: bool
     policy: Any
     start_ns: int
+    clock_offset_ns: int  # torch.profiler's clock minus start_ns's (backlens._clock), at the pass's start
     status: str = "running"
     error: BaseException | None = None
     end_ns: int | None = None
@@ -129,6 +130,9 @@ class PassEntry:
     failed_node: int | None = None
     recording_error: BaseException | None = None  # an internal error in a hook (status recording_failed)
     drain_queued: bool = False  # whether its fires end when the engine drains (distributed captures)
+    # Per thread, the profiler ranges open for its node calls ((node, handle), innermost last);
+    # None when no torch.profiler recorded as the pass opened (then none are made).
+    ranges: dict[int, list[tuple[int, Any]]] | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -171,6 +175,8 @@ class CaptureState:
         self.inference_cause: str | None = None
         self.backward_requested = True
         self.flops_enabled = False
+        # torch.profiler's clock minus the forward's times' (backlens._clock), as it began; None: unknown.
+        self.forward_clock_offset_ns: int | None = None
         self.rank: int | None = None  # under torch.distributed: this process's rank and the world size
         self.world_size: int | None = None
         self.recorder: Any = None  # a live capture's BackwardRecorder
