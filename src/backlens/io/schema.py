@@ -435,7 +435,11 @@ UNATTRIBUTED_OP = Schema({"op": STR, "under": optional(STR), "calls": NAT, "flop
 def _aten_columns(_position: int, **columns: Any) -> dict[str, list]:
     calls = len(columns["op"])
     _expect(all(len(column) == calls for name, column in columns.items() if name != "names" and column is not None),
-            f"op, call, flops and grad_enabled of one length ({calls})", {k: len(v) for k, v in columns.items()})
+            f"op, call, flops, grad_enabled, start_ns and end_ns of one length ({calls})",
+            {k: len(v) if v is not None else None for k, v in columns.items()})
+    starts, ends = columns["start_ns"], columns["end_ns"]
+    _expect((starts is None) == (ends is None) and (starts is None or all(a <= b for a, b in zip(starts, ends))),
+            "start_ns and end_ns both null, or each start at or before its end", [starts, ends])
     names = len(columns["names"])
     _expect(all(op < names for op in columns["op"]), f"op indices into names (0..{names - 1})", columns["op"])
     return columns

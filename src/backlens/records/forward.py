@@ -37,7 +37,7 @@ class OpRecord(Record, OpView):
     __slots__ = ()
     noun = "op"
     FIELDS = ("index", "label", "func", "module", "parents", "param_parents", "shape", "dtype",
-              "num_outputs", "inplace", "activation", "forward_flops")
+              "num_outputs", "inplace", "activation", "forward_flops", "call_site")
     COLUMNS = ("index", "label", "func", "module", "parents", "param_parents", "shape", "dtype",
                "num_outputs", "inplace", "grad_fn", "has_activation", "forward_flops", "grad", "num_saved_grads")
 
