@@ -84,6 +84,12 @@ def capture(
     ``torch.compile`` model is captured (docs/capture.md).
     """
     if not isinstance(model, torch.nn.Module):
+        if isinstance(model, type) and issubclass(model, torch.nn.Module):
+            raise UnsupportedInputError(
+                f"bl.capture got the class {model.__name__}, not a model: it needs an instance.",
+                code="module_class_not_instance",
+                remedy=f"Instantiate it first: bl.capture({model.__name__}(...), x).",
+            )
         refuse_other_framework(model, args, kwargs, "bl.capture")
         raise UnsupportedInputError(
             f"bl.capture needs a torch.nn.Module, got {type(model).__name__}.",
