@@ -91,7 +91,7 @@ class Timing:
         text = f"backward {seconds_text(self.median)}{spread}, {self.label}{census}"
         if self.overhead is not None:
             text += (f"; backlens's timing hooks add {self.overhead:+.0%} against {self.stock_passes} stock "
-                     "backward passes of the same model in this run")
+                     f"backward pass{'es' if self.stock_passes != 1 else ''} of the same model in this run")
         return text
 
 
