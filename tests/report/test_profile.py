@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import backlens as bl
-from backlens.report.profile import build_profile, run_passes, summary_line
+from backlens.report.display import flops_text
+from backlens.report.profile import build_profile, html_report, run_passes, summary_line
 from models import MLP
 
 
@@ -185,3 +186,30 @@ def test_a_loaded_bundle_profiles_the_same(tmp_path):
     live = build_profile(cap, "mlp")
     assert (loaded.modules, loaded.node_types, loaded.passes) == (live.modules, live.node_types, live.passes)
     assert loaded.gantt == live.gantt
+
+
+def test_the_report_page_writes_numbers_one_way():
+    import re
+
+    from backlens.report.html import Gantt, GanttRow, Report
+
+    _model, _x, cap = profiled(2)
+    page = html_report(build_profile(cap, "mlp")).to_html()
+    visible = re.sub(r"<script.*?</script>", "", page, flags=re.S)
+    assert not re.search(r"\d,\d\d\d", visible) and not re.search(r"\de[+-]\d", visible)
+    assert flops_text(bl.report.backward_status(cap).executed_flops) in visible  # 5.63K, not 5,632
+    long = Report("t", sections=[Gantt("g", [GanttRow("a", 0, [(0.0, 1450.0, "a")])], 1450.0)]).to_html()
+    assert "1.450 s" in long and "e+03" not in long
+
+
+def test_work_of_no_module_has_one_name_everywhere():
+    from backlens.graph.labels import NO_FORWARD_OP
+    from backlens.report.cost_tree import NO_FORWARD_OP as in_the_tree
+
+    _model, _x, cap = profiled(2)
+    profile = build_profile(cap, "mlp")
+    assert in_the_tree == NO_FORWARD_OP
+    assert NO_FORWARD_OP in [r["module"] for r in profile.modules]
+    assert NO_FORWARD_OP in [row.label for row in profile.gantt.rows]
+    result = bl.bench.backward(MLP(), torch.randn(4, 6), lambda out: out.pow(2).sum(), repeats=2, warmup=1)
+    assert NO_FORWARD_OP in result.by_module

@@ -50,6 +50,13 @@ _SCRIPT = r"""
 (function () {
   "use strict";
   var NS = "http://www.w3.org/2000/svg";
+  function tick(value, unit) {  // as report/display.py's seconds_text writes times
+    if (unit !== "ms") return value.toPrecision(3) + " " + unit;
+    if (value === 0) return "0";
+    if (value >= 1000) return (value / 1000).toFixed(3) + " s";
+    if (value >= 1) return value.toFixed(2) + " ms";
+    return (value * 1000).toFixed(1) + " us";
+  }
   var tree = {}, dataNode = document.getElementById("backlens-drill-data");
   var drill = dataNode ? JSON.parse(dataNode.textContent) : null;
   if (drill) drill.modules.forEach(function (m) { tree[m.id] = m.parent; });
@@ -101,7 +108,7 @@ _SCRIPT = r"""
         r.setAttribute("width", Math.max(b - a, 0) * k);
       });
       svg.querySelectorAll("text.gantt-tick").forEach(function (t, i) {
-        t.textContent = (t0 + (t1 - t0) * i / 5).toPrecision(3) + " " + unit;
+        t.textContent = tick(t0 + (t1 - t0) * i / 5, unit);
       });
     }
     function time(event) {
@@ -367,7 +374,7 @@ def _gantt_svg(section: Gantt) -> str:
         parts.append(f"<line class='gantt-grid' x1='{x:.1f}' y1='{top - 4}' x2='{x:.1f}' y2='{height}'/>")
         anchor = "start" if k == 0 else "end" if k == 5 else "middle"
         parts.append(f"<text class='gantt-tick' x='{x:.1f}' y='11' text-anchor='{anchor}'>"
-                     f"{span * k / 5:.3g} {_e(section.unit)}</text>")
+                     f"{_e(_tick(span * k / 5, section.unit))}</text>")
     for i, gantt_row in enumerate(rows):
         y = top + i * row
         module = f" data-module='{_e(gantt_row.module)}'" if gantt_row.module else ""
@@ -382,6 +389,15 @@ def _gantt_svg(section: Gantt) -> str:
         parts.append("</g>")
     parts.append("</svg>")
     return "".join(parts)
+
+
+def _tick(value: float, unit: str) -> str:
+    """A time-axis label: times in ms as report/display.py writes every time (``1.450 s``)."""
+    if unit == "ms":
+        from backlens.report.display import seconds_text
+
+        return seconds_text(value / 1e3) if value else "0"
+    return f"{value:.3g} {unit}"
 
 
 _ICICLE_COLORS = ("#364fc7", "#5f3dc4", "#1864ab", "#087f5b", "#e67700", "#c92a2a", "#495057")
