@@ -265,7 +265,7 @@ def build_profile(cap: Any, title: str, depth: int = 3, top: int = 10, run: Pass
         tree=tree,
         nodes=_node_rows(cap, timed, counted),
     )
-    profile.gantt = _gantt(cap, profile, depth)
+    profile.gantt = _gantt(cap, profile, depth, trees)
     if timing.noisy:
         warn("Backward times are noisy: " + "; ".join(timing.noisy) + ". Rerun on a quieter machine, with "
              "more --repeats, or with --threads set to the cores you have.", "timing_noisy")
@@ -326,15 +326,12 @@ def _node_rows(cap: Any, timed: list[int], counted: list[int]) -> list[dict[str,
     return rows
 
 
-def _representative_pass(cap: Any, timed: list[int]) -> tuple[int, str]:
+def _representative_pass(trees: dict[int, Any], timed: list[int]) -> tuple[int, str]:
     """The timed pass whose module times are closest to their medians over the timed
     passes (the sum of the absolute log ratios), and a sentence saying so."""
-    from backlens.report.cost_tree import cost_tree
-
     if len(timed) == 1:
         return timed[0], f"pass {timed[0]}, the one timed pass"
-    times = {n: {r.address: r.self_backward_time for r in cost_tree(cap, pass_=n).rows if r.kind == "module"}
-             for n in timed}
+    times = {n: {r.address: r.self_backward_time for r in trees[n].rows if r.kind == "module"} for n in timed}
     medians = {a: _median([times[n].get(a) for n in timed]) for a in times[timed[0]]}
 
     def distance(number: int) -> float:
@@ -346,7 +343,7 @@ def _representative_pass(cap: Any, timed: list[int]) -> tuple[int, str]:
                   "their medians")
 
 
-def _gantt(cap: Any, profile: Profile, depth: int):
+def _gantt(cap: Any, profile: Profile, depth: int, trees: dict[int, Any]):
     """The module calls of one representative timed pass on a time axis."""
     from backlens.report.html import Gantt, GanttRow
     from backlens.report.timeline import timeline
@@ -354,7 +351,7 @@ def _gantt(cap: Any, profile: Profile, depth: int):
     timed = [r["pass"] for r in profile.passes if r["pass"] in profile.timing.passes and r["duration"] is not None]
     if not timed:
         return None
-    number, chosen = _representative_pass(cap, timed)
+    number, chosen = _representative_pass(trees, timed)
     line = timeline(cap, pass_=number)
     whole = next((s for s in line.for_pass(number) if s.kind == "pass"), None)
     if whole is None:
@@ -441,9 +438,8 @@ def _clear(leaves: list[Any]) -> None:
         tensor.grad = None
 
 
-def _caption_own_calls() -> str:
-    return ("own node calls: calls of autograd nodes made by the module call's own ops, not by its "
-            "submodules' (0 when all its work is in its submodules)")
+OWN_CALLS_CAPTION = ("own node calls: calls of autograd nodes made by the module call's own ops, not by its "
+                     "submodules' (0 when all its work is in its submodules)")
 
 
 def rich_tables(profile: Profile) -> list[Any]:
@@ -453,7 +449,7 @@ def rich_tables(profile: Profile) -> list[Any]:
     cold = profile.cold_pass
     timing = f"time: {profile.warm_label}" + (f", pass {cold} cold apart" if cold is not None else "")
     modules = RichTable(title=f"Backward profile per module to depth {profile.depth} (subtree totals; {timing}; "
-                              f"FLOPs {profile.flops_scope})", caption=_caption_own_calls())
+                              f"FLOPs {profile.flops_scope})", caption=OWN_CALLS_CAPTION)
     columns = ["module", "type", "fwd FLOPs", "bwd FLOPs", "bwd time"] + (["cold"] if cold else [])
     for column in [*columns, "own node calls"]:
         modules.add_column(column, justify="left" if column in ("module", "type") else "right",

@@ -18,7 +18,7 @@ from backlens.report.html import Bars, DrillDown, Icicle, IcicleCell, Notice, Re
 
 
 def profile_page(profile: Any, subtitle: str = "") -> Report:
-    from backlens.report.profile import _caption_own_calls, summary_line
+    from backlens.report.profile import OWN_CALLS_CAPTION, summary_line
 
     report = Report(profile.title, subtitle or summary_line(profile))
     timing = profile.timing
@@ -65,7 +65,7 @@ def profile_page(profile: Any, subtitle: str = "") -> Report:
         [[r["module"], r["type"], flops_text(r["forward_flops"]), flops_text(r["backward_flops"]),
           seconds_text(r["backward_time"])] + ([seconds_text(r["cold_time"])] if cold else []) + [r["calls"]]
          for r in profile.modules],
-        numeric=range(2, 7), caption=_caption_own_calls(),
+        numeric=range(2, 7), caption=OWN_CALLS_CAPTION,
     ))
     report.sections.append(Table(
         "Costliest node types",

@@ -247,7 +247,8 @@ def timeline(cap: Any, pass_: int | None = None, profiler: Any = None) -> Timeli
     _args.capture(cap, "bl.report.timeline(cap)", needs=("passes",))
     passes = list(cap.passes) if pass_ is None else [cap.passes.for_pass(pass_)]
     clock = _Clock.of(cap)
-    forward = _forward_parts(cap, clock) if pass_ is None and clock is not None else None
+    merged = read_profiler_trace(profiler) if profiler is not None and clock is not None else None
+    forward = _forward_parts(clock) if pass_ is None and clock is not None else None
     starts = [clock.pass_start(p.number) for p in passes] if clock is not None else []
     origin = min([*starts, *([forward.start] if forward is not None else [])], default=None)
     chain_of = _module_chains(cap)
@@ -287,14 +288,11 @@ def timeline(cap: Any, pass_: int | None = None, profiler: Any = None) -> Timeli
         flows = _flows(slices)
     # Counter tracks (values sampled over time, e.g. the memory a pass holds) go here.
     counters: list[CounterSample] = []
-    merged = None
-    if profiler is not None:
-        if clock is None:
-            raise UnsupportedInputError(
-                "This capture did not record its clock (a bundle saved by an older backlens), so its "
-                "timeline cannot be laid beside a torch.profiler trace.", code="timeline_without_clock",
-                remedy="Capture the step again with this backlens, inside the profiler.")
-        merged = read_profiler_trace(profiler)
+    if profiler is not None and clock is None:
+        raise UnsupportedInputError(
+            "This capture did not record its clock (a bundle saved by an older backlens), so its "
+            "timeline cannot be laid beside a torch.profiler trace.", code="timeline_without_clock",
+            remedy="Capture the step again with this backlens, inside the profiler.")
     reason = None
     if not any(s.kind == "pass" for s in slices):
         reason = ("no backward pass has run over this capture" if not passes
@@ -310,11 +308,11 @@ class _Clock:
         self.state = state
 
     @classmethod
-    def of(cap_cls, cap: Any) -> _Clock | None:
-        state = getattr(cap, "_state", None)
+    def of(cls, cap: Any) -> _Clock | None:
+        state = getattr(cap, "_state", None)  # (a stand-in capture from a test or another tool has none)
         if state is None or any(p.clock_offset_ns is None for p in state.passes):
             return None
-        return cap_cls(state)
+        return cls(state)
 
     def pass_start(self, number: int) -> int:
         entry = self.state.passes[number - 1]
@@ -339,7 +337,7 @@ class _Forward:
         return out
 
 
-def _forward_parts(cap: Any, clock: _Clock) -> _Forward | None:
+def _forward_parts(clock: _Clock) -> _Forward | None:
     """The forward's slices, when the capture recorded when its module calls and ops ran."""
     state = clock.state
     offset = state.forward_clock_offset_ns
