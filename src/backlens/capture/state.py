@@ -111,8 +111,9 @@ class PassEntry:
     create_graph: bool
     policy: Any
     start_ns: int
-    clock_offset_ns: int  # torch.profiler's clock minus start_ns's (backlens._clock), at the pass's start
     status: str = "running"
+    # torch.profiler's clock minus start_ns's (backlens._clock), measured as the pass opened; None: unknown.
+    clock_offset_ns: int | None = None
     error: BaseException | None = None
     end_ns: int | None = None
     orders: list[int] = field(default_factory=list)
