@@ -458,15 +458,24 @@ def _show_ranks(console, args, ranks) -> None:
         console.print(f"Gradients: not compared ({check.reason}).")
     if args.timeline:
         events = []
-        for cap in ranks:
+        traces = [(cap.rank, bl.report.timeline(cap).to_trace()) for cap in ranks]
+        bases = [trace["baseTimeNanoseconds"] for _rank, trace in traces if "baseTimeNanoseconds" in trace]
+        base = min(bases) if len(bases) == len(traces) else None  # every rank on the one clock: aligned
+        for rank, trace in traces:
+            move = (trace["baseTimeNanoseconds"] - base) / 1e3 if base is not None else 0.0
             # One process per rank in the trace viewer.
-            for event in bl.report.timeline(cap).to_trace()["traceEvents"]:
-                event = dict(event, pid=cap.rank + 1)
+            for event in trace["traceEvents"]:
+                event = dict(event, pid=rank + 1)
+                if "ts" in event:
+                    event["ts"] += move
                 if event.get("name") == "process_name":
-                    event["args"] = {"name": f"rank {cap.rank}"}
+                    event["args"] = {"name": f"rank {rank}"}
                 events.append(event)
+        document = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"producer": "backlens"}}
+        if base is not None:
+            document["baseTimeNanoseconds"] = base
         with open(args.timeline, "w", encoding="utf-8") as handle:
-            json.dump({"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"producer": "backlens"}}, handle)
+            json.dump(document, handle)
         console.print(f"Timeline: {os.path.abspath(args.timeline)}")
 
 

@@ -26,7 +26,7 @@ p.notice { background: #fff4e6; border-left: 4px solid #f59f00; padding: .5rem .
 table { border-collapse: collapse; width: 100%; font-size: .85rem; background: white; }
 th, td { border-bottom: 1px solid #e3e6ee; padding: .3rem .55rem; text-align: left; }
 td { overflow-wrap: anywhere; }
-th { background: #f0f2f7; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
+th { background: #f0f2f7; } td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 caption { caption-side: bottom; text-align: left; color: #5a6275; font-size: .8rem; padding-top: .3rem; }
 svg text { font-size: 11px; fill: #1d2330; } .bar { fill: #4c6ef5; } .bar2 { fill: #f59f00; }
 .tokens span { display: inline-block; padding: .15rem .3rem; margin: .12rem; border-radius: 4px;
