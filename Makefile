@@ -6,7 +6,10 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.backlens-installed
+# Two installs in one venv: `make demo` installs the demo extra only; `make test` adds
+# the test tools and the frameworks bl.derive supports (jax, tinygrad, mlx, paddle).
+DEMO_STAMP := $(VENV)/.backlens-demo
+TEST_STAMP := $(VENV)/.backlens-test
 # Headless Chromium renders the HTML report in the tests: a path, or empty when
 # none is found (then `make test` installs Debian's package as root, or stops).
 CHROMIUM ?= $(shell command -v chromium || command -v chromium-browser)
@@ -14,20 +17,24 @@ DEBIAN_CHROMIUM := /usr/bin/chromium
 
 .PHONY: demo test install lint bench clean chromium
 
-$(STAMP): pyproject.toml
+$(DEMO_STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e ".[demo]" "$(TORCH_SPEC)"
+	touch $(DEMO_STAMP)
+
+$(TEST_STAMP): $(DEMO_STAMP) pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[test,demo,jax,tinygrad,mlx,paddle]" "$(TORCH_SPEC)"
-	touch $(STAMP)
+	touch $(TEST_STAMP)
 
-install: $(STAMP)
+install: $(TEST_STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/backlens demo
 
 # chromium first: a machine that cannot run the tests stops before the install.
-test: chromium $(STAMP)
+test: chromium $(TEST_STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 CHROMIUM="$(or $(CHROMIUM),$(DEBIAN_CHROMIUM))" \
 		$(BIN)/python -m pytest -q
 
@@ -42,10 +49,10 @@ else
 endif
 endif
 
-lint: $(STAMP)
+lint: $(TEST_STAMP)
 	$(BIN)/ruff check src tests bench
 
-bench: $(STAMP)
+bench: $(DEMO_STAMP)
 	$(BIN)/python bench/overhead.py
 
 clean:

@@ -40,6 +40,8 @@ CASES = [
     ("capture_intervene_not_an_edit", lambda c: bl.capture(model(), x, intervene=5), "bad_intervention"),
     ("capture_storage_a_string", lambda c: bl.capture(model(), x, storage="runs/x"), "unsupported_input"),
     ("capture_not_a_module", lambda c: bl.capture(None, x), "not_a_module"),
+    ("capture_a_module_class", lambda c: bl.capture(MLP, x), "module_class_not_instance"),
+    ("timeline_profiler_not_a_profiler", lambda c: bl.report.timeline(c, profiler=5), "not_a_profiler"),
     ("capture_compiled_unknown", lambda c: bl.capture(model(), x, compiled="fast"), "bad_compiled_mode"),
     ("capture_mistyped_compiled", lambda c: bl.capture(model(), x, compile="opaque"), "mistyped_option"),
     ("clip_norm_negative", lambda c: bl.clip_norm(-1.0), "bad_argument"),
@@ -276,3 +278,9 @@ def test_a_pass_selector_whose_passes_are_over_does_not_warn():
         for _ in range(3):
             loss.backward(retain_graph=True)
     assert [g.pass_number for g in cap.ops[0].grads] == [1]
+
+
+def test_capturing_a_module_class_advises_instantiating_it():
+    with pytest.raises(bl.UnsupportedInputError) as info:
+        bl.capture(MLP, x)
+    assert "the class MLP" in str(info.value) and info.value.remedy == "Instantiate it first: bl.capture(MLP(...), x)."

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from contextlib import contextmanager
 
 import torch
 
@@ -103,3 +104,22 @@ def test_profile_passes_advance_once_per_pass_and_never_inside_the_backward(monk
     cap = bl.capture(model, torch.randn(4, 6))
     run_passes(cap, cap.output.sum(), 2, list(model.parameters()))
     assert seen == [False, False, False] and len(cap.passes) == 3
+
+
+def test_a_save_s_byte_bar_ends_at_its_total_when_tensors_repeat(monkeypatch, tmp_path):
+    import backlens.io.bundle as bundle
+
+    totals, advanced = [], []
+
+    @contextmanager
+    def spy(description, total, **options):
+        totals.append(total)
+        yield advanced.append
+
+    monkeypatch.setattr(bundle, "progress", spy)
+    monkeypatch.setattr(bundle, "progress_shown", lambda: True)
+    torch.manual_seed(0)
+    cap = bl.capture(MLP(), torch.randn(4, 6), save_grads=True, save_activations=True)
+    cap.output.sum().backward()  # a node's outgoing gradient is the next node's incoming one: kept twice
+    cap.save(tmp_path / "b")
+    assert totals[0] > 0 and sum(advanced) == totals[0]

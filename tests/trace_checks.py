@@ -31,6 +31,10 @@ def validate_trace(document: dict) -> list[dict]:
         assert isinstance(event["pid"], int) and isinstance(event["tid"], int), event
         if event["ph"] == "M":
             assert event["name"] in METADATA_NAMES and isinstance(event["args"], dict), event
+        elif event["ph"] in ("s", "f"):  # a flow arrow's ends: an id shared by both, a time
+            assert isinstance(event["id"], int) and isinstance(event["ts"], Real), event
+        elif event["ph"] == "C":  # a counter sample: numeric series in args
+            assert isinstance(event["ts"], Real) and all(isinstance(v, Real) for v in event["args"].values())
         else:
             assert event["ph"] == "X", event
             for key in ("ts", "dur"):

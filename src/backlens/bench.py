@@ -30,11 +30,11 @@ from backlens._progress import progress
 from backlens.capturing import capture
 from backlens.cost.once_only import OnceOnlyNode, changed_since, describe, snapshot
 from backlens.errors import UnsupportedInputError
+from backlens.graph.labels import NO_FORWARD_OP
 from backlens.report.display import seconds_text
 
 RETAINED_GRAPH = "retained_graph"
 FORWARD_BACKWARD_MINUS_FORWARD = "forward_backward_minus_forward"
-NO_MODULE = "(no module)"
 
 
 @dataclass(frozen=True)
@@ -289,7 +289,7 @@ def _per_node(passes: list[tuple[Any, int]]):
             grad_fn = call.grad_fn
             per_type[grad_fn.type] = per_type.get(grad_fn.type, 0.0) + duration
             per_node[grad_fn.label] = per_node.get(grad_fn.label, 0.0) + duration
-            module = grad_fn.module_call if grad_fn.module_call in parents else NO_MODULE
+            module = grad_fn.module_call if grad_fn.module_call in parents else NO_FORWARD_OP
             per_self[module] = per_self.get(module, 0.0) + duration
             while module is not None:
                 per_subtree[module] = per_subtree.get(module, 0.0) + duration
@@ -297,7 +297,7 @@ def _per_node(passes: list[tuple[Any, int]]):
         for source, target in ((per_type, types), (per_node, nodes), (per_self, selfs), (per_subtree, subtrees)):
             for key, value in source.items():
                 target.setdefault(key, []).append(value)
-    layout.setdefault(NO_MODULE, (None, 0))
+    layout.setdefault(NO_FORWARD_OP, (None, 0))
     by_module = {
         address: ModuleTiming(address, layout[address][0], layout[address][1],
                               Stats.of(selfs[address]), Stats.of(subtrees[address]))

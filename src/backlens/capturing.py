@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from backlens import _args, _torch
+from backlens._clock import profiler_clock_offset
 from backlens._distributed import rank_and_world_size
 from backlens._fence import complete
 from backlens._nested import iter_tensors
@@ -87,6 +88,12 @@ def capture(
     ``torch.compile`` model is captured (docs/capture.md).
     """
     if not isinstance(model, torch.nn.Module):
+        if isinstance(model, type) and issubclass(model, torch.nn.Module):
+            raise UnsupportedInputError(
+                f"bl.capture got the class {model.__name__}, not a model: it needs an instance.",
+                code="module_class_not_instance",
+                remedy=f"Instantiate it first: bl.capture({model.__name__}(...), x).",
+            )
         refuse_other_framework(model, args, kwargs, "bl.capture")
         raise UnsupportedInputError(
             f"bl.capture needs a torch.nn.Module, got {type(model).__name__}.",
@@ -146,6 +153,7 @@ def capture(
 
     witness = CheckpointWitness(state)
     witness.memory = memory_recorder
+    state.forward_clock_offset_ns = profiler_clock_offset()
     journal.seq_start = _torch.sequence_nr()
     if opaque:  # nothing of backlens in the forward: dynamo sees the model alone
         witness.journal.add_reason(COMPILED_OPAQUE)

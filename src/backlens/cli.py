@@ -1,7 +1,9 @@
 """The ``backlens`` command: ``demo``, ``profile``, ``show``, ``doctor`` and ``report``.
 
-Bad input gets one clear line on stderr and exit code 2; ``--debug`` shows
-the traceback instead.
+Bad input gets one clear line on stderr and exit code 2; ``--debug`` (before or
+after the subcommand) shows the traceback instead. Output paths are checked
+before any pass runs. Output to a pipe or a file is not cut to a terminal's
+width. Warnings (``timing_noisy``) are printed as one line on stderr each.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import importlib
 import inspect
 import os
 import sys
+import warnings
 from functools import partial
 from typing import Any
 
@@ -22,6 +25,7 @@ class UsageError(Exception):
 # Warm passes after the cold one: stable medians, and `backlens demo` stays
 # well under 15 s on 2 CPU cores.
 DEFAULT_REPEATS = 10
+DEFAULT_DEPTH = 3
 
 
 def _count(text: str) -> int:
@@ -34,17 +38,32 @@ def _count(text: str) -> int:
     return value
 
 
+def _positive(text: str) -> int:
+    value = _count(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number 1 or more, got {text!r}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="backlens", description="See, edit and measure the backward pass.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    # --debug after the subcommand too (SUPPRESS: absent there, it leaves the value set before it).
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    demo = commands.add_parser("demo", help="profile and explain the backward pass of a real model")
+    def command(name: str, **options: Any) -> argparse.ArgumentParser:
+        return commands.add_parser(name, parents=[common], **options)
+
+    demo = command("demo", help="profile and explain the backward pass of a real model")
     demo.add_argument("--out", default="backlens-out", help="folder for the bundle and the HTML report")
     demo.add_argument("--repeats", type=_count, default=None,
                       help=f"warm backward passes after the cold first one (default {DEFAULT_REPEATS})")
+    demo.add_argument("--threads", type=_positive, default=None,
+                      help="torch threads for the run (default: torch's own choice)")
 
-    profile = commands.add_parser("profile", help="profile the backward pass of your model")
+    profile = command("profile", help="profile the backward pass of your model")
     profile.add_argument("factory", help="MODULE:FACTORY, a function returning an nn.Module or "
                                          "(model, inputs, loss_fn)")
     profile.add_argument("--input-shape", default="2,8", help="B,S,... of a random float input (default 2,8)")
@@ -53,7 +72,12 @@ def _parser() -> argparse.ArgumentParser:
     profile.add_argument("--loss", default="sum", choices=["sum", "mean", "square"],
                          help="loss over the first output tensor (when the factory gives no loss_fn)")
     profile.add_argument("--repeats", type=_count, default=None,
-                         help=f"warm backward passes after the cold first one (default {DEFAULT_REPEATS})")
+                         help=f"warm backward passes after the cold first one (default {DEFAULT_REPEATS}); "
+                              "they run without the FLOP census, beside as many stock passes")
+    profile.add_argument("--threads", type=_positive, default=None,
+                         help="torch threads for the run (default: torch's own choice)")
+    profile.add_argument("--depth", type=_count, default=DEFAULT_DEPTH,
+                         help=f"module tree depth of the tables (default {DEFAULT_DEPTH})")
     profile.add_argument("--bench", action="store_true",
                          help="also time the backward alone, without per-node hooks (bl.bench.backward)")
     profile.add_argument("--timeline", help="write the backward as Trace Event JSON (Perfetto, chrome://tracing)")
@@ -63,34 +87,26 @@ def _parser() -> argparse.ArgumentParser:
                          help="also record what the backward holds and print a checkpointing plan")
     profile.add_argument("--memory-budget", type=_count, default=None, metavar="BYTES",
                          help="with --memory: the saved bytes the checkpointing plan should fit")
+    profile.add_argument("--overwrite", action="store_true", help="let --save replace an existing bundle")
 
-    show = commands.add_parser("show", help="print the summary of a saved bundle")
+    show = command("show", help="print the summary of a saved bundle")
     show.add_argument("bundle")
+    show.add_argument("--depth", type=_count, default=DEFAULT_DEPTH,
+                      help=f"module tree depth of the tables (default {DEFAULT_DEPTH})")
     show.add_argument("--html", help="write a self-contained HTML report here")
     show.add_argument("--timeline", help="write the backward as Trace Event JSON (Perfetto, chrome://tracing)")
 
-    commands.add_parser("doctor", help="print torch version and capability flags")
-    _add_report_command(commands)
+    command("doctor", help="print torch version and capability flags")
+    _add_report_command(command)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    caught: list[warnings.WarningMessage] = []
     try:
-        if args.command == "demo":
-            from backlens.demo import main as demo_main
-
-            demo_main(out_dir=args.out, repeats=DEFAULT_REPEATS if args.repeats is None else args.repeats)
-        elif args.command == "profile":
-            _profile(args)
-        elif args.command == "show":
-            _show(args)
-        elif args.command == "doctor":
-            from backlens.report.doctor import doctor
-
-            doctor()
-        elif args.command == "report":
-            _report(args)
+        with warnings.catch_warnings(record=True) as caught:
+            _run(args)
     except UsageError as exc:
         if args.debug:
             raise
@@ -104,7 +120,68 @@ def main(argv: list[str] | None = None) -> int:
         first = str(exc).splitlines()[0] if str(exc) else ""
         print(f"backlens {args.command}: {type(exc).__name__}: {printable(first)}", file=sys.stderr)
         return 2
+    finally:
+        _print_warnings(args.command, caught)
     return 0
+
+
+def _print_warnings(command: str, caught: list[warnings.WarningMessage]) -> None:
+    """backlens's own warnings as one line each; others as Python shows them."""
+    from backlens.errors import BacklensWarning
+
+    for record in caught:
+        message = record.message
+        if isinstance(message, BacklensWarning):
+            print(f"backlens {command}: warning [{message.code}]: {message}", file=sys.stderr)
+        else:
+            warnings.showwarning(message, record.category, record.filename, record.lineno)
+
+
+def _console():
+    from backlens._console import stdout_console
+
+    return stdout_console()
+
+
+def _run(args) -> None:
+    if getattr(args, "threads", None) is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if args.command == "demo":
+        from backlens.demo import main as demo_main
+
+        demo_main(out_dir=args.out, repeats=DEFAULT_REPEATS if args.repeats is None else args.repeats)
+    elif args.command == "profile":
+        _profile(args)
+    elif args.command == "show":
+        _show(args)
+    elif args.command == "doctor":
+        from backlens.report.doctor import doctor
+
+        doctor()
+    elif args.command == "report":
+        _report(args)
+
+
+def check_output_path(path: str | None, option: str, *, bundle: bool = False, overwrite: bool = False) -> None:
+    """Refuse an output path that cannot be written, before any work: its folder must exist,
+    it must not be a folder (a file output), and an existing bundle needs ``--overwrite``."""
+    if path is None:
+        return
+    target = os.path.abspath(path)
+    folder = os.path.dirname(target)
+    if not os.path.isdir(folder):
+        raise UsageError(f"{option} {path}: the folder {folder} does not exist; create it first or choose "
+                         "another path.")
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"{option} {path}: the folder {folder} is not writable.")
+    if bundle:
+        if os.path.exists(target) and not overwrite:
+            raise UsageError(f"{option} {path}: a file or bundle is already there; pass --overwrite to replace "
+                             "it, or choose another path.")
+    elif os.path.isdir(target):
+        raise UsageError(f"{option} {path}: is a folder; give a file name (e.g. {os.path.join(path, 'out')}).")
 
 
 # -- profile -----------------------------------------------------------------
@@ -239,9 +316,9 @@ def _at_line_of(factory):
 
 def _profile(args) -> None:
     import torch
-    from rich.console import Console
 
     import backlens as bl
+    from backlens.errors import BacklensError
     from backlens.report.profile import (
         build_profile,
         html_report,
@@ -250,13 +327,18 @@ def _profile(args) -> None:
         summary_line,
     )
 
-    console = Console()
+    for path, option in ((args.timeline, "--timeline"), (args.html, "--html")):
+        check_output_path(path, option)
+    check_output_path(args.save, "--save", bundle=True, overwrite=args.overwrite)
+    console = _console()
     factory, made = _load_factory(args.factory)
     model, inputs, loss_fn = _unpack(args.factory, made)
-    if inputs is None:
+    made_input = inputs is None
+    if made_input:
         x = _make_input(model, args.input_shape, args.input_ids)
         positional, keywords = (x,), {}
-        described = f"one input tensor of shape {tuple(x.shape)}"
+        described = (f"one tensor of {'token ids' if args.input_ids else 'random floats'} of shape "
+                     f"{tuple(x.shape)}")
     else:
         positional, keywords = inputs
         described = "the factory's inputs"
@@ -269,12 +351,28 @@ def _profile(args) -> None:
             raise UsageError(
                 f"the model's forward did not accept {described} ({exc}); it expects {_signature_of(model)}"
             ) from exc
+        except BacklensError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the input backlens made did not suit the model
+            if not made_input:
+                raise
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise UsageError(
+                f"the model's forward failed on the input backlens made for it, {described} "
+                f"({type(exc).__name__}: {first}); pass --input-shape with the shape it takes (an image "
+                "model: --input-shape 2,3,32,32), --input-ids for a model of token ids, or have the factory "
+                "return (model, inputs, loss_fn)"
+            ) from exc
         loss = _scalar_loss(loss_fn, cap.output)
     leaves = [*model.parameters(), *(t for t in [*positional, *keywords.values()]
                                      if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad)]
-    _at_line_of(factory)(partial(run_passes, cap, loss, repeats, leaves))
+
+    def stock_loss():  # the same model outside any capture: the overhead's reference
+        return _scalar_loss(loss_fn, model(*positional, **keywords))
+
+    run = _at_line_of(factory)(partial(run_passes, cap, loss, repeats, leaves, stock_loss))
     with console.status("Building the backward profile..."):
-        profile = build_profile(cap, f"backlens profile: {args.factory}")
+        profile = build_profile(cap, f"backlens profile: {args.factory}", depth=args.depth, run=run)
     for table in rich_tables(profile):
         console.print(table)
     console.print(summary_line(profile))
@@ -290,7 +388,7 @@ def _profile(args) -> None:
         console.print(f"Timeline: {os.path.abspath(args.timeline)}  (open in https://ui.perfetto.dev "
                       f"or chrome://tracing)")
     if args.save:
-        cap.save(args.save, overwrite=True)
+        cap.save(args.save, overwrite=args.overwrite)
         console.print(f"Bundle: {os.path.abspath(args.save)}")
     if args.html:
         html_report(profile).write(args.html)
@@ -313,11 +411,21 @@ def _show(args) -> None:
     from rich.text import Text
 
     import backlens as bl
+    from backlens._console import stdout_options
     from backlens._text import text_console
+    from backlens.errors import BundleError
     from backlens.report.profile import build_profile, html_report, rich_tables, summary_line
 
-    console = text_console()  # a bundle's names are untrusted: printed as text, never as markup
-    cap = bl.load(args.bundle)
+    check_output_path(args.html, "--html")
+    check_output_path(args.timeline, "--timeline")
+    console = text_console(**stdout_options())  # a bundle's names are untrusted: printed as text, never as markup
+    try:
+        cap = bl.load(args.bundle)
+    except BundleError as exc:
+        if exc.code != "bundle_not_a_rank":
+            raise
+        _show_folder(console, args.bundle)
+        return
     if isinstance(cap, bl.DerivedGrads):
         _show_derived(console, args, cap)
         return
@@ -326,7 +434,8 @@ def _show(args) -> None:
         return
     console.print(Text.assemble((args.bundle, "bold"), f": {len(cap.ops)} forward ops, {len(cap.modules)} module "
                                 f"calls, {len(cap.grad_fns)} autograd nodes, {len(cap.passes)} backward passes"))
-    profile = build_profile(cap, f"backlens show: {os.path.basename(os.path.normpath(args.bundle))}")
+    profile = build_profile(cap, f"backlens show: {os.path.basename(os.path.normpath(args.bundle))}",
+                            depth=args.depth)
     for table in rich_tables(profile):
         console.print(table)
     console.print(summary_line(profile))
@@ -336,6 +445,21 @@ def _show(args) -> None:
     if args.html:
         html_report(profile).write(args.html)
         console.print(f"HTML report: {os.path.abspath(args.html)}")
+
+
+def _show_folder(console, folder: str) -> None:
+    """A folder of ordinary bundles (not a distributed run's ranks): which ones, and how to show one."""
+    from rich.text import Text
+
+    from backlens.distributed.rankset import rank_bundle_dirs
+
+    bundles = rank_bundle_dirs(folder) or []
+    console.print(Text.assemble((folder, "bold"), f" is a folder of {len(bundles)} bundle"
+                                f"{'s' if len(bundles) != 1 else ''}, not one bundle nor a distributed run's ranks:"))
+    for bundle in bundles:
+        console.print(f"  {bundle.name}", markup=False)
+    if bundles:
+        console.print(f"Show one with: backlens show {os.path.join(folder, bundles[0].name)}", markup=False)
 
 
 def _show_ranks(console, args, ranks) -> None:
@@ -363,15 +487,24 @@ def _show_ranks(console, args, ranks) -> None:
         console.print(f"Gradients: not compared ({check.reason}).")
     if args.timeline:
         events = []
-        for cap in ranks:
+        traces = [(cap.rank, bl.report.timeline(cap).to_trace()) for cap in ranks]
+        bases = [trace["baseTimeNanoseconds"] for _rank, trace in traces if "baseTimeNanoseconds" in trace]
+        base = min(bases) if len(bases) == len(traces) else None  # every rank on the one clock: aligned
+        for rank, trace in traces:
+            move = (trace["baseTimeNanoseconds"] - base) / 1e3 if base is not None else 0.0
             # One process per rank in the trace viewer.
-            for event in bl.report.timeline(cap).to_trace()["traceEvents"]:
-                event = dict(event, pid=cap.rank + 1)
+            for event in trace["traceEvents"]:
+                event = dict(event, pid=rank + 1)
+                if "ts" in event:
+                    event["ts"] += move
                 if event.get("name") == "process_name":
-                    event["args"] = {"name": f"rank {cap.rank}"}
+                    event["args"] = {"name": f"rank {rank}"}
                 events.append(event)
+        document = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"producer": "backlens"}}
+        if base is not None:
+            document["baseTimeNanoseconds"] = base
         with open(args.timeline, "w", encoding="utf-8") as handle:
-            json.dump({"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"producer": "backlens"}}, handle)
+            json.dump(document, handle)
         console.print(f"Timeline: {os.path.abspath(args.timeline)}")
 
 
@@ -397,8 +530,8 @@ def _show_derived(console, args, derived) -> None:
 
 # -- report: the gradient monitor's page from what its sink wrote ----------------------------
 
-def _add_report_command(commands) -> None:
-    report = commands.add_parser(
+def _add_report_command(command) -> None:
+    report = command(
         "report", help="draw the HTML page of a gradient monitor's run (bl.monitor with a sink)")
     report.add_argument("run", help="the monitor's TensorBoard directory, or its .csv file")
     report.add_argument("--html", help="where to write the page (default: RUN/grads.html for a directory, "

@@ -10,6 +10,7 @@ model so tests can run them on a tiny config.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -27,6 +28,7 @@ class DemoResult:
     similarity: float
     tokens: list[list[str]]
     token_scores: list[list[float]]
+    run: Any = None  # what run_passes measured (report/profile.py PassTimes)
 
 
 def load_minilm():
@@ -50,22 +52,26 @@ def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def run_similarity(model: torch.nn.Module, batch: dict[str, torch.Tensor], tokens: list[list[str]],
                    repeats: int = 0) -> DemoResult:
     """Capture the forward of a 2-sentence batch and backpropagate their cosine similarity:
-    once, then ``repeats`` more times over the retained graph (warm passes, gradients
-    saved by the first pass only)."""
+    once (with the FLOP census; gradients saved), then ``repeats`` more times over the
+    retained graph, timed without the census and beside as many stock passes."""
     from backlens.report.profile import run_passes
+
+    def similarity_of(output: Any) -> torch.Tensor:
+        pooled = mean_pool(output.last_hidden_state, batch["attention_mask"])
+        return torch.nn.functional.cosine_similarity(pooled[0:1], pooled[1:2]).sum()
 
     embedding_site = _embedding_address(model)
     cap = capture(model, **batch, save_grads=True, save_activations=True)
-    pooled = mean_pool(cap.output.last_hidden_state, batch["attention_mask"])
-    similarity = torch.nn.functional.cosine_similarity(pooled[0:1], pooled[1:2]).sum()
-    run_passes(cap, similarity, repeats, list(model.parameters()))
+    similarity = similarity_of(cap.output)
+    run = run_passes(cap, similarity, repeats, list(model.parameters()),
+                     stock_loss=lambda: similarity_of(model(**batch)))
     module = cap.modules[embedding_site]
     grad = module.output_grad
     activation = cap.ops[module.ops[-1]].activation
     scores = (grad * activation).sum(-1)
     mask = batch["attention_mask"].bool()
     token_scores = [scores[row][mask[row]].tolist() for row in range(scores.shape[0])]
-    return DemoResult(cap, similarity.detach().item(), tokens, token_scores)
+    return DemoResult(cap, similarity.detach().item(), tokens, token_scores, run)
 
 
 def _embedding_address(model: torch.nn.Module) -> str:
@@ -108,13 +114,11 @@ def render(result: DemoResult, profile, console) -> None:
 def main(sentences: tuple[str, str] = DEFAULT_SENTENCES, out_dir: str = "backlens-out",
          repeats: int = DEFAULT_REPEATS) -> DemoResult:
     import os
-    import sys
 
-    from rich.console import Console
-
+    from backlens._console import stdout_console
     from backlens.report.profile import build_profile, html_report
 
-    console = Console(width=None if sys.stdout.isatty() else 120)
+    console = stdout_console()
     with console.status("Loading all-MiniLM-L6-v2 from site-packages (offline)..."):
         model, tokenizer = load_minilm()
     batch = tokenizer(list(sentences), padding=True, return_tensors="pt")
@@ -122,16 +126,18 @@ def main(sentences: tuple[str, str] = DEFAULT_SENTENCES, out_dir: str = "backlen
         tokenizer.convert_ids_to_tokens(ids[mask.bool()])
         for ids, mask in zip(batch["input_ids"], batch["attention_mask"])
     ]
-    console.print(f"Capturing the forward, then {repeats + 1} backward passes (FLOPs and timing on)...")
+    console.print(f"Capturing the forward, then {repeats + 1} backward passes (the first counts FLOPs, "
+                  f"the {repeats} after it are timed, beside {repeats} stock passes)...")
     result = run_similarity(model, dict(batch), tokens, repeats)
     cap = result.capture
     console.print(f"[bold]backlens demo[/bold]: {type(model).__name__} (all-MiniLM-L6-v2), "
                   f"{len(cap.ops)} forward ops, {len(cap.grad_fns)} autograd nodes, "
-                  f"{len(cap.passes)} backward passes (the first cold, {repeats} warm)")
+                  f"{len(cap.passes)} backward passes (the first cold and counted, {repeats} timed)")
     for i, sentence in enumerate(sentences):
         console.print(f"  sentence {i}: {sentence}")
     with console.status("Building the backward profile..."):
-        profile = build_profile(cap, "backlens demo: the backward pass of all-MiniLM-L6-v2", depth=2)
+        profile = build_profile(cap, "backlens demo: the backward pass of all-MiniLM-L6-v2", depth=2,
+                                run=result.run)
         profile.extra.append(token_section(result))
     render(result, profile, console)
     os.makedirs(out_dir, exist_ok=True)

@@ -66,3 +66,90 @@ def build_pair():
 
 def build_with_bad_loss():
     return Tiny(), torch.randn(3, 8), lambda out: out
+
+
+def build_bert():
+    """A tiny BERT, the model alone (the CLI makes its input)."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=64, vocab_size=50, max_position_embeddings=16)
+    return transformers.BertModel(config).eval()
+
+
+class SmallCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.conv(x)).mean((2, 3)))
+
+
+def build_cnn():
+    torch.manual_seed(0)
+    return SmallCNN()
+
+
+def build_gpt2():
+    """A tiny GPT-2 language model (two blocks), the model alone."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50, n_positions=16)
+    return transformers.GPT2LMHeadModel(config)
+
+
+class Sleepy(torch.autograd.Function):
+    """The identity, whose backward sleeps 0 to 30 ms at random: a noisy machine."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        import random
+        import time
+
+        time.sleep(random.uniform(0.0, 0.03))
+        return grad
+
+
+def build_with_noisy_loss():
+    torch.manual_seed(0)
+    return Tiny(), torch.randn(3, 8), lambda out: Sleepy.apply(out.sum())
+
+
+FORWARD_CALLS = []  # one entry per forward of Counted
+
+
+class Counted(Tiny):
+    def forward(self, x):
+        FORWARD_CALLS.append(torch.get_num_threads())
+        return super().forward(x)
+
+
+def build_counted():
+    torch.manual_seed(0)
+    return Counted()
+
+
+class LongNames(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.feature_extractor_with_a_long_descriptive_name = nn.Linear(8, 8)
+        self.classification_head_with_an_even_longer_descriptive_name = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.classification_head_with_an_even_longer_descriptive_name(
+            self.feature_extractor_with_a_long_descriptive_name(x))
+
+
+def build_long_names():
+    torch.manual_seed(0)
+    return LongNames()

@@ -80,9 +80,22 @@ def test_to_pandas_is_one_row_per_call():
     cap, _stock = captured("mlp")
     ops = cap.passes[0].aten_ops
     frame = ops.to_pandas()
-    assert list(frame.columns) == ["name", "call", "flops", "grad_enabled"]
+    assert list(frame.columns) == ["name", "call", "flops", "grad_enabled", "start", "duration"]
     assert len(frame) == len(ops) == bl.report.backward_status(cap).passes[0].aten_calls
     assert frame["flops"].sum() == sum(op.flops for op in ops)
+
+
+def test_each_atenop_is_timed_inside_its_node_call():
+    cap, _stock = captured("mlp")
+    backward_pass = cap.passes[0]
+    calls = {call.label: call for call in backward_pass.calls}
+    ops = backward_pass.aten_ops
+    assert ops and all(op.start is not None and op.duration >= 0 for op in ops)
+    assert [op.start for op in ops] == sorted(op.start for op in ops)  # dispatch order is time order
+    for op in ops:
+        if op.call is not None:
+            call = calls[op.call]
+            assert call.start <= op.start and op.start + op.duration <= call.start + call.duration + 1e-9
 
 
 def test_a_pass_without_a_count_has_no_census():

@@ -103,6 +103,14 @@ def test_backlens_show_writes_one_timeline_with_a_process_per_rank(world, tmp_pa
     names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
     assert names == {1: "rank 0", 2: "rank 1"}
     assert {e["pid"] for e in events if e.get("cat") == "collective"} == {1, 2}
+    # one clock for every rank: each rank's first pass where it ran, in the file's time base
+    document = json.loads(target.read_text())
+    ranks = bl.load(world.path / "slow_fsdp")
+    for rank, cap in enumerate(ranks):
+        (first,) = [e for e in events if e["pid"] == rank + 1 and e.get("name") == "pass 1"]
+        entry = cap._state.passes[0]
+        expected = entry.start_ns + entry.clock_offset_ns
+        assert abs(document["baseTimeNanoseconds"] + round(first["ts"] * 1000) - expected) <= 1
 
 
 @pytest.mark.parametrize(("call", "code", "kind"), [

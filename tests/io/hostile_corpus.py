@@ -234,7 +234,7 @@ CASES = {
     "manifest_not_utf8": lambda p, out: (p / "manifest.json").write_bytes(b'{"format": "\xff\xfe"}'),
     "manifest_empty": lambda p, out: (p / "manifest.json").write_bytes(b""),
     "manifest_with_a_5000_digit_integer": lambda p, out: (p / "manifest.json").write_text(
-        (p / "manifest.json").read_text().replace('"format_version": 2', '"format_version": 1' + "0" * 4999)),
+        (p / "manifest.json").read_text().replace('"format_version": 3', '"format_version": 1' + "0" * 4999)),
     "manifest_checksum_mismatch": lambda p, out: (p / "manifest.json").write_text(
         (p / "manifest.json").read_text().replace('"ReLU"', '"ReLV"', 1)),
     "stream_marker_and_no_manifest": lambda p, out: stream_marker_only(p),
@@ -292,7 +292,7 @@ CASES = {
     "cost_of_the_wrong_shape": lambda p, out: reseal(p, lambda m: m["cost"].update(passes={"1": {}})),
     "unknown_source_kind": lambda p, out: reseal(p, lambda m: m["sources"]["kinds"].__setitem__(0, "module")),
     "sources_of_unequal_lengths": lambda p, out: reseal(p, lambda m: m["sources"]["names"].append("x")),
-    "format_version_too_new": lambda p, out: reseal(p, lambda m: m.update(format_version=3)),
+    "format_version_too_new": lambda p, out: reseal(p, lambda m: m.update(format_version=4)),
     "format_version_a_string": lambda p, out: reseal(p, lambda m: m.update(format_version="2")),
     "extra_section": lambda p, out: reseal(p, lambda m: m.update(plugins=["os"])),
     "version_field_not_a_string": lambda p, out: reseal(p, lambda m: m.update(torch_version={"a": [1]})),

@@ -179,14 +179,16 @@ def test_older_format_versions_are_migrated(tmp_path, monkeypatch):
     path = cap.save(tmp_path / "b")
     migrated = []
 
-    def from_2(manifest):
-        migrated.append(manifest["format_version"])
-        return {**manifest, "format_version": 3}
+    current = manifest_io.FORMAT_VERSION
 
-    monkeypatch.setattr(manifest_io, "FORMAT_VERSION", 3)
-    monkeypatch.setitem(manifest_io.MIGRATIONS, 2, from_2)
+    def from_current(manifest):
+        migrated.append(manifest["format_version"])
+        return {**manifest, "format_version": current + 1}
+
+    monkeypatch.setattr(manifest_io, "FORMAT_VERSION", current + 1)
+    monkeypatch.setitem(manifest_io.MIGRATIONS, current, from_current)
     loaded = load(path)
-    assert migrated == [2] and loaded.format_version == 3
+    assert migrated == [current] and loaded.format_version == current + 1
     assert loaded.ops.labels() == cap.ops.labels()
 
 

@@ -89,3 +89,21 @@ def test_minilm_per_layer_grads_of_two_invokes_equal_two_stock_runs():
     assert len(traced[0]) == 6
     for k in range(2):
         assert_same_grads(traced[k], stock[k])
+
+
+def test_save_on_a_model_output_says_to_keep_it_with_bl_save():
+    import backlens
+    from models import bert
+
+    model = bert()
+    lens = backlens.wrap(model)
+    ids = torch.tensor([[2, 7, 9, 11, 3, 5]])
+    with pytest.raises(AttributeError) as info:
+        with lens.trace(ids):
+            lens.output.save()
+    message = str(info.value)
+    assert "has no attribute 'save'" in message and "Only tensors have .save()" in message
+    assert "bl.save(value)" in message and type(model(ids)).__name__ in message
+    with lens.trace(ids):
+        out = backlens.save(lens.output)  # the way the message shows
+    assert torch.equal(out.last_hidden_state, model(ids).last_hidden_state)

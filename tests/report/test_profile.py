@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import random
 import statistics
+import time
 
+import pytest
 import torch
 
 import backlens as bl
-from backlens.report.profile import build_profile, run_passes
+from backlens.report.display import flops_text
+from backlens.report.profile import build_profile, html_report, run_passes, summary_line
 from models import MLP
 
 
@@ -58,11 +62,113 @@ def test_node_type_times_are_medians_of_the_warm_passes():
         assert row["fires"] == sum(1 for c in cap.passes[0].calls if c.grad_fn.type == row["type"])
 
 
-def test_flops_are_per_pass_not_summed_over_the_repeats():
+def test_flops_come_from_the_cold_pass_and_the_warm_ones_run_without_the_census():
+    from backlens.cost.observer import TIMED_WITHOUT_CENSUS
+
     _model, _x, cap = profiled(3)
     profile = build_profile(cap, "mlp")
-    assert profile.backward_flops == bl.report.backward_status(cap).executed_flops // 4
-    assert profile.flops_scope == "per pass"
+    status = bl.report.backward_status(cap)
+    assert [p.counted for p in status.passes] == [True, False, False, False]
+    assert {p.reason for p in status.passes[1:]} == {TIMED_WITHOUT_CENSUS}
+    assert [p.aten_ops is None for p in cap.passes] == [False, True, True, True]
+    assert profile.backward_flops == status.passes[0].executed_flops == status.executed_flops
+    assert profile.flops_scope == "per pass, counted in pass 1"
+    assert profile.timing.passes == [2, 3, 4] and not profile.timing.census_included
+
+
+def test_the_timed_passes_report_their_median_and_quartiles():
+    _model, _x, cap = profiled(5)
+    profile = build_profile(cap, "mlp")
+    durations = [p.duration for p in cap.passes[1:]]
+    q1, _q2, q3 = statistics.quantiles(durations, n=4, method="inclusive")
+    assert (profile.timing.median, profile.timing.q1, profile.timing.q3) == (statistics.median(durations), q1, q3)
+    assert "interquartile range" in summary_line(profile)
+
+
+def test_stock_passes_interleaved_with_the_timed_ones_give_the_overhead():
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(4, 6)
+    cap = bl.capture(model, x)
+    run = run_passes(cap, cap.output.pow(2).sum(), 4, list(model.parameters()),
+                     stock_loss=lambda: model(x).pow(2).sum())
+    assert len(run.captured) == len(run.stock) == 4 and len(cap.passes) == 5  # stock passes are not recorded
+    assert run.overhead == statistics.median(run.captured) / statistics.median(run.stock) - 1
+    profile = build_profile(cap, "mlp", run=run)
+    assert profile.timing.overhead == run.overhead and "4 stock backward passes" in summary_line(profile)
+
+
+def test_a_backward_that_sleeps_at_random_warns_timing_noisy():
+    torch.manual_seed(0)
+    model = MLP()
+    cap = bl.capture(model, torch.randn(4, 6))
+    loss = Sleepy.apply(cap.output.sum())
+    run_passes(cap, loss, 8, list(model.parameters()))
+    with pytest.warns(bl.BacklensWarning, match="interquartile range") as caught:
+        profile = build_profile(cap, "mlp")
+    assert {w.message.code for w in caught} == {"timing_noisy"} and profile.timing.noisy
+
+
+def test_the_gantt_shows_the_pass_whose_module_times_are_nearest_their_medians():
+    torch.manual_seed(0)
+    model = SlowParts()
+    cap = bl.capture(model, torch.randn(2, 4))
+    SleepOnce.sleep_on = {("a", 2), ("b", 3)}  # pass 2 is slow in a, pass 3 in b; pass 4 in neither
+    SleepOnce.calls.clear()
+    run_passes(cap, cap.output.sum(), 3, list(model.parameters()))
+    profile = build_profile(cap, "parts")
+    durations = {p.number: p.duration for p in cap.passes}
+    assert min(durations[2], durations[3]) > durations[4]  # the pass of median duration is a slow one
+    assert profile.gantt.title.startswith("Backward timeline of pass 4:")
+    assert "closest to their medians" in profile.gantt.note
+
+
+class Sleepy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(random.uniform(0.0, 0.03))
+        return grad
+
+
+class SleepOnce(torch.autograd.Function):
+    """The identity; its backward in module ``name`` sleeps 30 ms on the passes listed."""
+
+    sleep_on: set = set()
+    calls: dict = {}
+
+    @staticmethod
+    def forward(ctx, x, name):
+        ctx.name = name
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        count = SleepOnce.calls[ctx.name] = SleepOnce.calls.get(ctx.name, 0) + 1
+        if (ctx.name, count) in SleepOnce.sleep_on:
+            time.sleep(0.03)
+        return grad, None
+
+
+class Part(torch.nn.Module):
+    def __init__(self, name):
+        super().__init__()
+        self.name = name
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return SleepOnce.apply(self.fc(x), self.name)
+
+
+class SlowParts(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = Part("a"), Part("b")
+
+    def forward(self, x):
+        return self.b(self.a(x))
 
 
 def test_one_pass_has_no_cold_pass_and_shows_its_own_times():
@@ -80,3 +186,30 @@ def test_a_loaded_bundle_profiles_the_same(tmp_path):
     live = build_profile(cap, "mlp")
     assert (loaded.modules, loaded.node_types, loaded.passes) == (live.modules, live.node_types, live.passes)
     assert loaded.gantt == live.gantt
+
+
+def test_the_report_page_writes_numbers_one_way():
+    import re
+
+    from backlens.report.html import Gantt, GanttRow, Report
+
+    _model, _x, cap = profiled(2)
+    page = html_report(build_profile(cap, "mlp")).to_html()
+    visible = re.sub(r"<script.*?</script>", "", page, flags=re.S)
+    assert not re.search(r"\d,\d\d\d", visible) and not re.search(r"\de[+-]\d", visible)
+    assert flops_text(bl.report.backward_status(cap).executed_flops) in visible  # 5.63K, not 5,632
+    long = Report("t", sections=[Gantt("g", [GanttRow("a", 0, [(0.0, 1450.0, "a")])], 1450.0)]).to_html()
+    assert "1.450 s" in long and "e+03" not in long
+
+
+def test_work_of_no_module_has_one_name_everywhere():
+    from backlens.graph.labels import NO_FORWARD_OP
+    from backlens.report.cost_tree import NO_FORWARD_OP as in_the_tree
+
+    _model, _x, cap = profiled(2)
+    profile = build_profile(cap, "mlp")
+    assert in_the_tree == NO_FORWARD_OP
+    assert NO_FORWARD_OP in [r["module"] for r in profile.modules]
+    assert NO_FORWARD_OP in [row.label for row in profile.gantt.rows]
+    result = bl.bench.backward(MLP(), torch.randn(4, 6), lambda out: out.pow(2).sum(), repeats=2, warmup=1)
+    assert NO_FORWARD_OP in result.by_module

@@ -22,7 +22,6 @@ pass's fires add up to the time the engine spent in it, less that work.
 from __future__ import annotations
 
 import threading
-import time
 import weakref
 from collections.abc import Callable
 from functools import partial
@@ -31,6 +30,8 @@ from typing import Any
 import torch
 
 from backlens import _torch
+from backlens._clock import now as _now
+from backlens._clock import profiler_clock_offset
 from backlens._fence import complete
 from backlens._warn import warn
 from backlens.capture.policy import GRAD_INPUT, GRAD_OUTPUT, GradPolicy, GradSite
@@ -39,8 +40,8 @@ from backlens.capture.views import InputNode, NodeView
 from backlens.errors import NonFiniteGradError
 from backlens.graph import engine
 from backlens.graph.discovery import walk, walk_bounded
+from backlens.graph.labels import NO_FORWARD_OP, ROOT_NAME, owning_module
 
-_now = time.perf_counter_ns
 _sequence_nr = _torch.sequence_nr
 _thread = threading.get_ident
 
@@ -92,6 +93,9 @@ class BackwardRecorder:
         self._handles: list[Any] = []
         self._sentinel_nodes: set[Any] = set()  # output nodes pre-hooked by arm()
         self._post_hooked = self._needs_post_hooks(policy, detect_nonfinite)
+        # While a pass runs under torch.profiler: the post-hooks that close its ranges.
+        self._range_handles: list[Any] | None = None
+        self._range_names: dict[int, str] = {}
         self._forward_discovered = False
         self._forward_nodes = 0  # the first nodes of the table: those the forward made (and its leaves)
         self._forward_start = state.journal.seq_start  # nodes numbered before it are not the forward's
@@ -134,6 +138,9 @@ class BackwardRecorder:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for handle in self._range_handles or ():
+            handle.remove()
+        self._range_handles = None
         self._sentinel_nodes.clear()
         self._output_roots = []
         self._exits = []
@@ -283,6 +290,8 @@ class BackwardRecorder:
                     handles.append(node.register_hook(partial(on_post, index)))
             if self.memory is not None and added:
                 self.memory.nodes_added(self.table, handles)
+            if self._range_handles is not None:
+                self._hook_ranges(added)
         state = self._state()
         if added and state is not None:
             # Relate the new nodes to the forward's tensors while they are held (by
@@ -333,14 +342,76 @@ class BackwardRecorder:
             create_graph=run.create_graph,
             policy=policy,
             start_ns=_now(),
+            clock_offset_ns=profiler_clock_offset(),
             run=run,
             sides=sides,
             node_edits=node_edits,
             kept_inputs=self._kept_inputs(policy, number),
             seq_start=_sequence_nr(),
         )
+        if _torch.profiler_recording() and self.hooking:
+            pass_.ranges = {}
+            if self._range_handles is None:
+                self._range_handles = []
+                self._hook_ranges(range(len(self.table)))
         self.passes.append(pass_)
         return pass_
+
+    # -- profiler ranges (only while torch.profiler records) ----------------
+    def _hook_ranges(self, indices: Any) -> None:
+        """Post-hooks that close each node call's range (pre-hooks open it)."""
+        nodes, handles = self.table.nodes, self._range_handles
+        for index in indices:
+            handles.append(nodes[index].register_hook(partial(self._on_range_post, index)))
+
+    def _range_name(self, index: int) -> str:
+        """The module address a node's range is named by (its forward op's module; for
+        AccumulateGrad its parameter's module)."""
+        name = self._range_names.get(index)
+        if name is None:
+            state = self._state()
+            entry = state.nodes[index] if state is not None and index < len(state.nodes) else None
+            if entry is None:
+                name = NO_FORWARD_OP
+            elif entry.param is not None:
+                name = owning_module(entry.param) or ROOT_NAME
+            elif entry.module_call is not None:
+                name = state.journal.module_calls[entry.module_call].address or ROOT_NAME
+            else:
+                name = NO_FORWARD_OP
+            self._range_names[index] = name
+        return name
+
+    def _open_range(self, pass_: PassEntry, index: int, thread: int) -> None:
+        handle = _torch.open_profiler_range(self._range_name(index))
+        pass_.ranges.setdefault(thread, []).append((index, handle))
+
+    def _on_range_post(self, index: int, grad_inputs: tuple, grad_outputs: tuple) -> None:
+        try:
+            pass_ = self._current(index)
+            stack = pass_.ranges.get(_thread()) if pass_ is not None and pass_.ranges is not None else None
+            if stack and any(node == index for node, _handle in stack):
+                while stack:  # ranges of nodes that never finished (none, normally) end with it
+                    node, handle = stack.pop()
+                    _torch.close_profiler_range(handle)
+                    if node == index:
+                        break
+        except Exception as exc:  # noqa: BLE001 - never abort the user's backward
+            self._recording_failed(exc)
+        return None
+
+    def _close_ranges(self, pass_: PassEntry) -> None:
+        """At a pass's end: close the ranges still open (a node that raised), drop the hooks."""
+        if pass_.ranges is not None:
+            for stack in pass_.ranges.values():
+                while stack:
+                    _torch.close_profiler_range(stack.pop()[1])
+            pass_.ranges = None
+        if self._range_handles is not None and not any(p.ranges is not None for p in self.passes
+                                                       if p.status == "running" and p is not pass_):
+            for handle in self._range_handles:
+                handle.remove()
+            self._range_handles = None
 
     def _kept_inputs(self, policy: GradPolicy, number: int) -> frozenset[int]:
         """The non-leaf inputs whose gradient a pass under ``policy`` keeps."""
@@ -373,6 +444,8 @@ class BackwardRecorder:
         if pass_.status != "running":
             return None
         try:
+            if pass_.ranges is not None or self._range_handles is not None:
+                self._close_ranges(pass_)
             return self._close_pass(pass_, error)
         except Warning:
             raise  # a BacklensWarning the user's filter turned into an error is theirs
@@ -557,6 +630,8 @@ class BackwardRecorder:
                 began = _now()
                 self.memory.on_fire(entry, node, self.table.types[index] == "AccumulateGrad", arriving)
                 entry.hook_ns += _now() - began  # backlens's work, not the node's
+            if pass_.ranges is not None:
+                self._open_range(pass_, index, thread)
             if create_graph:
                 for grad in arriving:
                     if grad is not None and grad.grad_fn is not None:

@@ -15,6 +15,7 @@ op entries are built from those rows when first read.
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
 import weakref
 from bisect import bisect_right
@@ -26,13 +27,35 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from backlens import _torch
+from backlens._clock import now as _now
+from backlens._frames import is_internal
 from backlens._nested import first_tensor
 from backlens.capture.views import OpView
+from backlens.graph.engine import CallSite
 from backlens.graph.labels import call_label, op_name, split_call
 
 Tensor = torch.Tensor
 _disable_torch_function = _torch.torch_function_disabled
 _weak = weakref.ref
+_getframe = sys._getframe
+# An op's call site is the innermost frame outside torch and backlens (the model's
+# line that called ``self.fc1(x)`` for the ``linear`` inside ``nn.Linear``): one
+# answer per code object, kept, so the walk costs a dict lookup per frame.
+_internal_code: dict[Any, bool] = {}
+
+
+def _user_site(frame: Any) -> tuple[Any, int] | None:
+    """(code, line) of the innermost frame at or above ``frame`` outside torch and backlens."""
+    internal = _internal_code
+    while frame is not None:
+        code = frame.f_code
+        skip = internal.get(code)
+        if skip is None:
+            skip = internal[code] = is_internal(code.co_filename)
+        if not skip:
+            return code, frame.f_lineno
+        frame = frame.f_back
+    return None
 
 
 @dataclass(slots=True)
@@ -55,6 +78,10 @@ class OpEntry:
     seq_start: int | None = None
     seq_end: int | None = None
     output_node: Any = None
+    # When it ran (backlens._clock, None: unknown) and the model's line that called it.
+    start_ns: int | None = None
+    end_ns: int | None = None
+    call_site: Any = None  # a CallSite (graph/engine.py), None: unknown
 
 
 @dataclass(slots=True)
@@ -74,6 +101,8 @@ class ModuleCallEntry:
     output_shape: tuple[int, ...] | None = None
     output_nr: int = 0
     output_tracked: bool = False  # whether its first tensor output had a grad_fn
+    start_ns: int | None = None  # when it ran (backlens._clock; None: unknown)
+    end_ns: int | None = None
     seq_start: int | None = None
     seq_end: int | None = None
     output_node: Any = None
@@ -190,7 +219,8 @@ class ForwardJournal:
         ops = self._ops
         while len(ops) <= index:
             (func, module_call, before, after, shape, dtype, num_outputs, refs_start, refs_end,
-             output_node, output_nr, inplace) = self.raw_ops[len(ops)]
+             output_node, output_nr, inplace, *timed) = self.raw_ops[len(ops)]
+            began, ended, site = timed or (None, None, None)
             parents = dict.fromkeys(self.parent_refs[refs_start:refs_end])
             name = self._names.get(func)
             if name is None:
@@ -213,6 +243,9 @@ class ForwardJournal:
                 output_node=output_node,
                 output_nr=output_nr,
                 inplace=inplace,
+                start_ns=began,
+                end_ns=ended,
+                call_site=_call_site(site),
             ))
         return ops[index]
 
@@ -406,9 +439,11 @@ class ForwardRecorder(TorchFunctionMode):
         memory = self.memory
         if memory is not None:
             memory.call_started(index, args, kwargs)
+        call.start_ns = _now()
         try:
             output = original(module, *args, **kwargs)
         finally:
+            call.end_ns = _now()
             stack.pop()
             if memory is not None:
                 memory.call_ended(index)
@@ -438,7 +473,9 @@ class ForwardRecorder(TorchFunctionMode):
             return func(*args, **kwargs) if kwargs else func(*args)
         seq = self._seq
         before = seq()
+        began = _now()
         out = func(*args, **kwargs) if kwargs else func(*args)
+        ended = _now()
         after = seq()
         if isinstance(out, Tensor):
             if after == before and args and out is args[0]:
@@ -481,7 +518,7 @@ class ForwardRecorder(TorchFunctionMode):
         self._raw.append((
             func, stack[-1] if stack else None, before, after, primary.shape, primary.dtype,
             1 if outputs is None else len(outputs), refs_start, len(refs), output_node, output_nr,
-            bool(args) and primary is args[0],
+            bool(args) and primary is args[0], began, ended, _user_site(_getframe(1)),
         ))
         if self.observe_row is not None:
             self.observe_row(index, func, args, kwargs, out)
@@ -534,6 +571,10 @@ class _OwnRead:
 
     def __exit__(self, *exc: Any) -> None:
         self.recorder._own_read = False
+
+
+def _call_site(site: tuple[Any, int] | None) -> CallSite | None:
+    return CallSite(site[0].co_filename, site[1], site[0].co_name) if site is not None else None
 
 
 class _ModuleCalls:

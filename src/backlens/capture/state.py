@@ -112,6 +112,8 @@ class PassEntry:
     policy: Any
     start_ns: int
     status: str = "running"
+    # torch.profiler's clock minus start_ns's (backlens._clock), measured as the pass opened; None: unknown.
+    clock_offset_ns: int | None = None
     error: BaseException | None = None
     end_ns: int | None = None
     orders: list[int] = field(default_factory=list)
@@ -130,6 +132,9 @@ class PassEntry:
     failed_node: int | None = None
     recording_error: BaseException | None = None  # an internal error in a hook (status recording_failed)
     drain_queued: bool = False  # whether its fires end when the engine drains (distributed captures)
+    # Per thread, the profiler ranges open for its node calls ((node, handle), innermost last);
+    # None when no torch.profiler recorded as the pass opened (then none are made).
+    ranges: dict[int, list[tuple[int, Any]]] | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -174,6 +179,8 @@ class CaptureState:
         self.backward_requested = True
         self.backward_unavailable: str | None = None  # why this torch cannot record a backward (a capability)
         self.flops_enabled = False
+        # torch.profiler's clock minus the forward's times' (backlens._clock), as it began; None: unknown.
+        self.forward_clock_offset_ns: int | None = None
         self.rank: int | None = None  # under torch.distributed: this process's rank and the world size
         self.world_size: int | None = None
         self.recorder: Any = None  # a live capture's BackwardRecorder

@@ -58,6 +58,8 @@ class OpView(View):
     dtype = entry_field("dtype", "Dtype of the (first) output.")
     num_outputs = entry_field("num_outputs", "How many tensors the op returned.")
     activation = entry_field("activation", "The kept output (``save_activations``), else None.")
+    call_site = entry_field("call_site", "The model's line that ran it: a ``CallSite(file, line, function)``, "
+                                         "the innermost frame outside torch (None: unknown).")
 
     @property
     def module(self) -> str | None:

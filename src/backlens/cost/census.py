@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from backlens import _torch
+from backlens._clock import now as _now
 from backlens.cost.checkpoint import recompute_probe
 from backlens.cost.counting import CountingMode
 from backlens.cost.formulas import op_name
@@ -32,9 +33,10 @@ class BackwardCensus(CountingMode):
     node (``recomputed`` is None when the pass cannot tell). ``unattributed``:
     ``(func, flops)`` per call under no node. ``formula_errors``: formulas that
     raised (their calls are not counted, so the pass is not either).
-    ``aten``: every call in dispatch order (the pass's ``aten_ops``), as four
-    columns ``(funcs, nodes, flops, grad_enabled)``: appending to lists makes no
-    new objects for the garbage collector to track, as a tuple per call would.
+    ``aten``: every call in dispatch order (the pass's ``aten_ops``), as six
+    columns ``(funcs, nodes, flops, grad_enabled, starts, ends)`` (times on
+    backlens._clock): appending to lists makes no new objects for the garbage
+    collector to track, as a tuple per call would.
     """
 
     def __init__(self, create_graph: bool):
@@ -43,17 +45,20 @@ class BackwardCensus(CountingMode):
         self.charged: list[tuple[Any, Any, int, bool | None]] = []
         self.unattributed: list[tuple[Any, int]] = []
         self.formula_errors: list[str] = []
-        self.aten: tuple[list, list, list[int], list[bool]] = ([], [], [], [])
-        self._funcs, self._nodes, self._flops, self._grad = self.aten
+        self.aten: tuple[list, list, list[int], list[bool], list[int], list[int]] = ([], [], [], [], [], [])
+        self._funcs, self._nodes, self._flops, self._grad, self._starts, self._ends = self.aten
         self._current_node = _torch.current_autograd_node_function()
         self._recomputing = recompute_probe(create_graph)
         self.recompute_known = self._recomputing is not None
         self.closed = False  # its pass closed: it must no longer be on torch's mode stack
 
     def seen(self, func: Any, counter: Any, args: tuple, kwargs: dict | None, out: Any) -> None:
+        ended = _now()
         self.aten_calls += 1
         node = self._current_node()
         if counter is None:
+            self._starts.append(self.began)
+            self._ends.append(ended)
             self._funcs.append(func)
             self._nodes.append(node)
             self._flops.append(0)
@@ -66,6 +71,8 @@ class BackwardCensus(CountingMode):
         except Exception as exc:  # noqa: BLE001 - a formula bug must not break the user's backward
             self.formula_errors.append(f"{op_name(func)}: {type(exc).__name__}: {exc}")
             return
+        self._starts.append(self.began)
+        self._ends.append(ended)
         self._funcs.append(func)
         self._nodes.append(node)
         self._flops.append(flops)

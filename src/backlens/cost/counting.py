@@ -12,13 +12,17 @@ from __future__ import annotations
 from typing import Any
 
 from backlens import _torch
+from backlens._clock import now as _now
 from backlens.cost.formulas import DECOMPOSE, plan_for, refresh_plans
 
 
 class CountingMode(_torch.EagerDispatchMode):
+    """``began``: when the call being reported started (backlens._clock), for :meth:`seen`."""
+
     def __init__(self) -> None:
         super().__init__()
         self._plans = refresh_plans()
+        self.began = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         plan = self._plans.get(func, self)
@@ -30,7 +34,9 @@ class CountingMode(_torch.EagerDispatchMode):
             if out is not NotImplemented:
                 return out
             plan = None
+        began = _now()
         out = func(*args, **kwargs) if kwargs else func(*args)
+        self.began = began
         self.seen(func, plan, args, kwargs, out)
         return out
 

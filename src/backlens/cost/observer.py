@@ -11,6 +11,8 @@ census: their pass dict says so.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from backlens import _torch
@@ -18,6 +20,9 @@ from backlens.cost.census import BackwardCensus
 from backlens.cost.settle import no_count_reason, settle, uncounted
 
 _dispatch_modes_warm = False
+# Why a pass opened inside ``without_census`` has no count (also in bundles: reports tell
+# passes timed this way apart by it).
+TIMED_WITHOUT_CENSUS = "timed without the FLOP census (its FLOPs are counted in other passes)"
 
 
 def _warm_dispatch_modes() -> None:
@@ -81,9 +86,14 @@ class FlopObserver:
         if self._cannot_count is None:
             _warm_dispatch_modes()
         self._runs: dict[int, Any] = {}
+        self.paused = 0  # > 0: passes open without a census (``without_census``)
+        self._timed_only: set[int] = set()
 
     def run_context(self, run: Any, pass_: Any) -> Any:
         if self._cannot_count is not None:
+            return None
+        if self.paused:
+            self._timed_only.add(pass_.number)
             return None
         self._runs[pass_.number] = run
         if "census" in run.shared:
@@ -107,7 +117,9 @@ class FlopObserver:
             census.closed = True
             _torch.drop_dispatch_modes(census_left_behind)
         calls = [state.calls[i] for i in pass_.calls]
-        reason = self._cannot_count or no_count_reason(census, pass_.trigger, run is not None and run.explicit,
+        timed_only = pass_.number in self._timed_only and census is None
+        self._timed_only.discard(pass_.number)
+        reason = self._cannot_count or (TIMED_WITHOUT_CENSUS if timed_only else None) or no_count_reason(census, pass_.trigger, run is not None and run.explicit,
                                                        error)
         if reason is not None:
             for entry in calls:
@@ -120,3 +132,19 @@ class FlopObserver:
             elsewhere=lambda node: run.recorded_elsewhere(node, recorder),
             holder=run.shared.get("census_pass") is pass_,
         ))
+
+
+@contextmanager
+def without_census(state: Any) -> Iterator[None]:
+    """Explicit passes over ``state``'s graph opened inside run without the FLOP census, so
+    their times are those of the backward and backlens's per-node timing alone; their
+    count says why it is missing (``TIMED_WITHOUT_CENSUS``)."""
+    recorder = getattr(state, "recorder", None)
+    observers = [o for o in (recorder.observers if recorder is not None else ()) if isinstance(o, FlopObserver)]
+    for observer in observers:
+        observer.paused += 1
+    try:
+        yield
+    finally:
+        for observer in observers:
+            observer.paused -= 1

@@ -22,6 +22,13 @@ from backlens.errors import LabelNotFoundError
 
 _BACKWARD_SUFFIX = re.compile(r"Backward\d*$")
 
+# The one name of backward work that belongs to no module (nodes with no forward
+# op: the loss, built after the forward; a leaf input's AccumulateGrad), in every
+# report, table, timeline and profiler range.
+NO_FORWARD_OP = "(backward without forward op)"
+# The model's own module call (address "") where a name is shown.
+ROOT_NAME = "(model)"
+
 # Reflected and in-place dunders name the same torch function as their base.
 _DUNDER_ALIASES = {
     "radd": "add",

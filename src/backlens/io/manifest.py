@@ -1,6 +1,6 @@
 """The bundle manifest: a capture state as JSON, sealed with a checksum, and reading it back safely.
 
-Layout (``FORMAT_VERSION`` 2; the sections and their fields are io/schema.py's)::
+Layout (``FORMAT_VERSION`` 3; the sections and their fields are io/schema.py's)::
 
     format, format_version, backlens_version, torch_version, created
     capture, sources, module_types        flags of the capture (rank and world_size under
@@ -46,7 +46,7 @@ from backlens.io.schema import SECTIONS, encode_state
 from backlens.io.shards import ShardWriter
 
 FORMAT = "backlens.bundle"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 MAX_MANIFEST_BYTES = 256 << 20  # a bound on what a manifest may cost before it is checked
 # A bound on the memory reading a manifest may take (its bytes, their text and the parsed objects,
 # estimated from the bytes before parsing; io/files.parse_json also bounds it at 16 times the size):
@@ -58,6 +58,35 @@ HEADER = ("format", "format_version", "backlens_version", "torch_version", "crea
 # Upgrades from an older format version to the next one: version -> fn(manifest) -> manifest.
 # Version 1 (records by dataclass field, values tagged by type) has none: it is refused.
 MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
+
+
+def _times_unknown(manifest: dict[str, Any]) -> dict[str, Any]:
+    """Version 2 -> 3: version 3 adds when each forward op and module call ran, each op's
+    call site, each ATen call's start and end and the clock offsets that put all times on
+    torch.profiler's clock; a version 2 bundle knows none of them (null)."""
+    def each(section: Any) -> list:
+        return section if isinstance(section, list) else []
+
+    for op in each(manifest.get("ops")):
+        if isinstance(op, dict):
+            op.update(start_ns=None, end_ns=None, call_site=None)
+    for call in each(manifest.get("modules")):
+        if isinstance(call, dict):
+            call.update(start_ns=None, end_ns=None)
+    for entry in each(manifest.get("passes")):
+        if isinstance(entry, dict):
+            entry["clock_offset_ns"] = None
+    if isinstance(manifest.get("capture"), dict):
+        manifest["capture"]["forward_clock_offset_ns"] = None
+    cost = manifest.get("cost")
+    for pass_cost in each(cost.get("passes") if isinstance(cost, dict) else None):
+        if isinstance(pass_cost, dict) and isinstance(pass_cost.get("aten_ops"), dict):
+            pass_cost["aten_ops"].update(start_ns=None, end_ns=None)
+    manifest["format_version"] = 3
+    return manifest
+
+
+MIGRATIONS[2] = _times_unknown
 
 
 class Refs:

@@ -1,4 +1,4 @@
-"""Bundle format version 2: a capture state as JSON, one explicit field list per entry type.
+"""Bundle format version 3: a capture state as JSON, one explicit field list per entry type.
 
 The manifest holds the state's entries (capture/state.py) section by section.
 Every entry type has a :class:`Schema`: the exact fields it is written with,
@@ -323,13 +323,21 @@ def _op_entry(position: int, **fields: Any) -> OpEntry:
     # An op's inputs were made before it: a parent at or after it would be a cycle.
     _expect(all(parent < position for parent in fields["parents"]), f"parents before op {position}",
             fields["parents"])
+    _ordered_times(fields)
     return OpEntry(index=position, **fields)
+
+
+def _ordered_times(fields: dict[str, Any]) -> None:
+    start, end = fields["start_ns"], fields["end_ns"]
+    _expect((start is None) == (end is None) and (start is None or start <= end),
+            f"end_ns >= start_ns ({start}), both set or both null", end)
 
 
 def _module_call_entry(position: int, **fields: Any) -> ModuleCallEntry:
     parent, start, end = fields["parent"], fields["op_start"], fields["op_end"]
     _expect(parent is None or parent < position, f"a parent call before call {position}", parent)
     _expect(end is None or start <= end, f"op_end >= op_start ({start})", end)
+    _ordered_times(fields)
     return ModuleCallEntry(index=position, **fields)
 
 
@@ -363,11 +371,13 @@ EDIT = Schema({"site": STR, "edit": STR, "op": optional(STR), "module": optional
               lambda _at, **f: EditApplication(**f))
 OP = Schema({"name": STR, "label": STR, "module_call": optional(ref("modules")), "shape": optional(SHAPE),
              "dtype": optional(DTYPE), "num_outputs": NAT, "parents": list_of(ref("ops")),
-             "sources": list_of(ref("sources")), "output_nr": NAT, "inplace": BOOL, "activation": optional(TENSOR)},
+             "sources": list_of(ref("sources")), "output_nr": NAT, "inplace": BOOL, "activation": optional(TENSOR),
+             "start_ns": optional(NAT), "end_ns": optional(NAT), "call_site": optional(CALL_SITE)},
             _op_entry)
 MODULE_CALL = Schema({"address": STR, "call": POSITIVE,
                       "parent": optional(ref("modules")), "op_start": upto("ops"), "op_end": optional(upto("ops")),
-                      "output_shape": optional(SHAPE), "output_nr": NAT, "output_tracked": BOOL},
+                      "output_shape": optional(SHAPE), "output_nr": NAT, "output_tracked": BOOL,
+                      "start_ns": optional(NAT), "end_ns": optional(NAT)},
                      _module_call_entry)
 PARAM = Schema({"name": STR, "shape": SHAPE, "dtype": DTYPE, "requires_grad": BOOL, "grad": optional(TENSOR)},
                lambda _at, grad, **f: ParamEntry(saved_grad=grad, **f),
@@ -386,7 +396,8 @@ CALL = Schema({"node": ref("grad_fns"), "pass_number": number("passes"), "ordina
                "recompute_flops": optional(NAT)},
               lambda _at, **f: CallEntry(**f))
 PASS = Schema({"number": POSITIVE, "trigger": STR, "call_site": optional(CALL_SITE), "retain_graph": optional(BOOL),
-               "create_graph": BOOL, "policy": POLICY, "start_ns": NAT, "status": one_of(*PASS_STATUSES),
+               "create_graph": BOOL, "policy": POLICY, "start_ns": NAT, "clock_offset_ns": optional(NAT),
+               "status": one_of(*PASS_STATUSES),
                "error": optional(ERROR), "end_ns": optional(NAT), "orders": list_of(POSITIVE),
                "order_coverage": FRACTION, "other_capture_nodes": NAT, "edits": entries(EDIT)},
               _pass_entry)
@@ -404,7 +415,8 @@ def _world_size(value: Any, _ctx: Any) -> int:
 
 CAPTURE = Schema({"inference_only": BOOL, "backward_requested": BOOL, "flops_enabled": BOOL,
                   "inference_cause": optional(STR), "rank": optional(NAT),
-                  "world_size": optional(Kind(_plain, _world_size))},
+                  "world_size": optional(Kind(_plain, _world_size)),
+                  "forward_clock_offset_ns": optional(NAT)},
                  _capture_flags)
 SOURCES = Schema({"kinds": list_of(one_of(*SOURCE_KINDS)), "names": list_of(STR)},
                  lambda _at, **f: f,
@@ -503,8 +515,12 @@ UNATTRIBUTED_OP = Schema({"op": STR, "under": optional(STR), "calls": NAT, "flop
 
 def _aten_columns(_position: int, **columns: Any) -> dict[str, list]:
     calls = len(columns["op"])
-    _expect(all(len(column) == calls for column in columns.values() if column is not columns["names"]),
-            f"op, call, flops and grad_enabled of one length ({calls})", {k: len(v) for k, v in columns.items()})
+    _expect(all(len(column) == calls for name, column in columns.items() if name != "names" and column is not None),
+            f"op, call, flops, grad_enabled, start_ns and end_ns of one length ({calls})",
+            {k: len(v) if v is not None else None for k, v in columns.items()})
+    starts, ends = columns["start_ns"], columns["end_ns"]
+    _expect((starts is None) == (ends is None) and (starts is None or all(a <= b for a, b in zip(starts, ends))),
+            "start_ns and end_ns both null, or each start at or before its end", [starts, ends])
     names = len(columns["names"])
     _expect(all(op < names for op in columns["op"]), f"op indices into names (0..{names - 1})", columns["op"])
     return columns
@@ -512,7 +528,8 @@ def _aten_columns(_position: int, **columns: Any) -> dict[str, list]:
 
 # A pass's ATen calls, as columns (cost/aten_ops.py).
 ATEN_OPS = Schema({"names": list_of(STR), "op": list_of(NAT), "call": list_of(optional(ref("calls"))),
-                   "flops": list_of(NAT), "grad_enabled": list_of(BOOL)},
+                   "flops": list_of(NAT), "grad_enabled": list_of(BOOL),
+                   "start_ns": optional(list_of(NAT)), "end_ns": optional(list_of(NAT))},
                   _aten_columns)
 
 

@@ -148,6 +148,8 @@ class ShardWriter:
             )
         data = snapshot(tensor)
         digest = hashlib.sha256(data).hexdigest()
+        if self.advance is not None:  # every tensor handed in counts, also one stored before (a bar's total)
+            self.advance(data.nbytes)
         key = (digest, tensor.dtype, tuple(tensor.shape))
         known = self._by_content.get(key)
         if known is not None:
@@ -158,8 +160,6 @@ class ShardWriter:
         self.index[name] = TensorEntry("", CODES[tensor.dtype], list(tensor.shape), [0, 0], digest)
         self._pending.append((name, data))
         self._pending_bytes += data.nbytes
-        if self.advance is not None:
-            self.advance(data.nbytes)
         if self._pending_bytes >= self.shard_bytes:
             self.flush()
         return name

@@ -47,3 +47,16 @@ def install_tensor_save() -> None:
     """Add ``Tensor.save`` once; torch has no attribute of that name to shadow."""
     if getattr(torch.Tensor, "save", None) is not _tensor_save:
         torch.Tensor.save = _tensor_save  # type: ignore[attr-defined]
+
+
+def add_save_hint(error: BaseException) -> None:
+    """``value.save()`` on a value without ``save`` (a transformers ``ModelOutput``, a tuple,
+    a dict) raised ``AttributeError``: say, in its message, how to keep any value."""
+    if not isinstance(error, AttributeError) or getattr(error, "name", None) != "save" or len(error.args) != 1:
+        return
+    owner = getattr(error, "obj", None)
+    if isinstance(owner, torch.Tensor):
+        return
+    what = type(owner).__name__ if owner is not None else "the value"
+    error.args = (f"{error.args[0]}. Only tensors have .save(); keep a {what} (or any value) with "
+                  "bl.save(value), e.g. `out = bl.save(lens.output)`.",)

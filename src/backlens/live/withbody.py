@@ -26,6 +26,7 @@ from typing import Any
 from backlens.errors import BacklensError
 from backlens.live import compiler
 from backlens.live.context import current_block
+from backlens.live.save import add_save_hint
 from backlens.live.skip import SkipBody, Skipper, write_locals
 from backlens.live.source import BlockSource, find_block
 from backlens.live.torchstate import CallerState
@@ -120,6 +121,7 @@ class WithBody:
         if error is not None:
             _detach_from_skip(error)
             _tidy_traceback(error)
+            add_save_hint(error)
             raise error
         write_locals(frame, updates)
         parent = current_block()

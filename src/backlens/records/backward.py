@@ -227,7 +227,8 @@ class BackwardPass(Record):
         """Every ATen call the pass dispatched, in order (None when its FLOPs were not counted)."""
         cost = self._state.cost
         counted = cost.pass_cost(self._entry.number) if cost is not None else None
-        return aten_ops_of(self._state, counted.get("aten_ops") if counted is not None else None)
+        return aten_ops_of(self._state, counted.get("aten_ops") if counted is not None else None,
+                           self._entry.start_ns)
 
     @property
     def memory(self) -> PassMemory | None:

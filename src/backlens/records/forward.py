@@ -37,9 +37,10 @@ class OpRecord(Record, OpView):
     __slots__ = ()
     noun = "op"
     FIELDS = ("index", "label", "func", "module", "parents", "param_parents", "shape", "dtype",
-              "num_outputs", "inplace", "activation", "forward_flops")
+              "num_outputs", "inplace", "activation", "forward_flops", "call_site")
     COLUMNS = ("index", "label", "func", "module", "parents", "param_parents", "shape", "dtype",
-               "num_outputs", "inplace", "grad_fn", "has_activation", "forward_flops", "grad", "num_saved_grads")
+               "num_outputs", "inplace", "grad_fn", "has_activation", "forward_flops", "call_site", "grad",
+               "num_saved_grads")
 
     @staticmethod
     def key_of(state: Any, at: int) -> str:
@@ -85,6 +86,7 @@ class OpRecord(Record, OpView):
             "grad_fn": grad_fn.label if grad_fn is not None else None,
             "has_activation": self.activation is not None,
             "forward_flops": self.forward_flops,
+            "call_site": str(self.call_site) if self.call_site is not None else None,
             **describe_grads(self.grads),
         }
 

@@ -33,12 +33,11 @@ from backlens import _args
 from backlens._pandas import data_frame
 from backlens.cost.journal import CostJournal
 from backlens.errors import AmbiguousLabelError, LabelNotFoundError
-from backlens.graph.labels import split_call
+from backlens.graph.labels import NO_FORWARD_OP, split_call
 from backlens.records.grads import check_pass_number
 from backlens.report.backward_status import backward_status
 from backlens.report.display import flops_text, seconds_text
 
-NO_FORWARD_OP = "(backward without forward op)"
 UNATTRIBUTED = "(unattributed)"
 
 

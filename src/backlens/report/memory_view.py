@@ -22,33 +22,32 @@ from backlens.report.display import bytes_text
 from backlens.report.html import Bars
 
 COUNTER_NAME = "bytes held"
-_PID = 1  # the timeline's process
 
 
-def memory_counter_events(cap: Any, slices: list[Any]) -> list[dict[str, Any]]:
-    """Counter events of the bytes held through each pass on the timeline made of ``slices``
-    (its ``"pass"`` slices say where each pass starts); empty without memory records."""
+def memory_counter_events(cap: Any, slices: list[Any]) -> list[tuple[int, dict[str, int]]]:
+    """``(at_ns, values)`` samples of the bytes held through each pass, for the counter track
+    ``COUNTER_NAME`` of the timeline made of ``slices`` (its ``"pass"`` slices say where each
+    pass starts); empty without memory records."""
     origins = {s.pass_number: s.start_ns for s in slices if s.kind == "pass"}
-    events: list[dict[str, Any]] = []
+    samples: list[tuple[int, dict[str, int]]] = []
     for backward_pass in cap.passes:
         origin = origins.get(backward_pass.number)
         memory = getattr(backward_pass, "memory", None)
         if origin is None or memory is None:
             continue
-        events.append(_counter(origin, memory.start_saved_bytes, memory.start_bytes - memory.start_saved_bytes, 0))
+        samples.append(_counter(origin, memory.start_saved_bytes, memory.start_bytes - memory.start_saved_bytes, 0))
         by_label = {call.label: call for call in backward_pass.calls}
         for sample in memory.samples:
             call = by_label.get(sample.call)
             if call is None or call.start is None or call.duration is None:
                 continue
             at = origin + round((call.start + call.duration) * 1e9)
-            events.append(_counter(at, sample.saved_bytes, sample.grad_bytes, sample.param_grad_bytes))
-    return events
+            samples.append(_counter(at, sample.saved_bytes, sample.grad_bytes, sample.param_grad_bytes))
+    return samples
 
 
-def _counter(at_ns: int, saved: int, grads: int, params: int) -> dict[str, Any]:
-    args = {"saved tensors": saved, "gradients in flight": grads, "parameter gradients": params}
-    return {"name": COUNTER_NAME, "ph": "C", "ts": at_ns / 1e3, "pid": _PID, "tid": 0, "args": args}
+def _counter(at_ns: int, saved: int, grads: int, params: int) -> tuple[int, dict[str, int]]:
+    return at_ns, {"saved tensors": saved, "gradients in flight": grads, "parameter gradients": params}
 
 
 @dataclass
