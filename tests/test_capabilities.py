@@ -7,6 +7,7 @@ torch without that private entry point, and says so where the result is unknown.
 from __future__ import annotations
 
 import copy
+import json
 import subprocess
 import sys
 import textwrap
@@ -459,3 +460,21 @@ def test_without_foreach_kernels_the_monitor_records_the_same_stats_tensor_by_te
     assert np.allclose(fused.value, looped.value, rtol=1e-6, atol=0)
     for fused_param, looped_param in zip(fused_model.parameters(), looped_model.parameters()):
         assert torch.equal(fused_param, looped_param)
+
+
+def test_without_profiler_ranges_a_profiled_backward_has_no_module_ranges_and_stock_gradients(monkeypatch, tmp_path):
+    without(monkeypatch, "HAS_PROFILER_RANGES")
+    model, x = model_and_input()
+    twin = copy.deepcopy(model)
+    twin(x).pow(2).sum().backward()
+    cap = bl.capture(model, x)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        cap.output.pow(2).sum().backward()
+    path = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(path))
+    events = json.loads(path.read_text())["traceEvents"]
+    assert any(e.get("name", "").startswith("autograd::engine::evaluate_function") for e in events)
+    assert not [e for e in events if e.get("cat") == "user_annotation"]
+    assert len(cap.passes[0].calls) > 0
+    for (name, param), stock in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(param.grad, stock.grad), name
