@@ -598,3 +598,50 @@ def drop_dispatch_modes(stale: Callable[[Any], bool]) -> int:
     if dropped:
         _recompute_dispatch_flags()
     return dropped
+
+
+# module calls -----------------------------------------------------------------
+# ``nn.Module.__call__`` (``_wrapped_call_impl``) hands every call to the private
+# ``nn.Module._call_impl``. Wrapping that one attribute watches every module call
+# and leaves modules on torch's fast path (any forward hook, global or not, puts
+# every call on the slow hooked path), and setting it is cheap (no type slot to
+# update). Without it, ``nn.Module.__call__`` itself is wrapped: the same calls
+# are seen, but each install updates the call slot of every module class.
+
+import types as _types  # noqa: E402 - grouped with what uses it
+
+_module_wrapped_call = torch.nn.Module.__dict__.get("_wrapped_call_impl")
+HAS_MODULE_CALL_IMPL = (
+    isinstance(torch.nn.Module.__dict__.get("_call_impl"), _types.FunctionType)
+    and isinstance(_module_wrapped_call, _types.FunctionType)
+    and "_call_impl" in _module_wrapped_call.__code__.co_names
+    and torch.nn.Module.__dict__.get("__call__") is _module_wrapped_call
+)
+
+CAPABILITIES = (
+    *CAPABILITIES,
+    Capability(
+        "HAS_MODULE_CALL_IMPL",
+        HAS_MODULE_CALL_IMPL,
+        "watching module calls (capture's module records, live tracing's module values) while keeping "
+        "modules on torch's fast call path",
+        "nn.Module.__call__ is wrapped instead: the same calls are seen, and each capture or trace pays "
+        "about 0.2 ms to install it",
+    ),
+)
+
+
+def module_call_entry() -> tuple[str, Callable[..., Any]]:
+    """The ``nn.Module`` attribute that module calls go through (``_call_impl``, else
+    ``__call__``) and its current value. Read at each install, so a test can turn the
+    capability off."""
+    name = "_call_impl" if HAS_MODULE_CALL_IMPL else "__call__"
+    return name, torch.nn.Module.__dict__[name]
+
+
+def module_call_entry_now(name: str) -> Any:
+    return torch.nn.Module.__dict__.get(name)
+
+
+def set_module_call_entry(name: str, fn: Callable[..., Any]) -> None:
+    setattr(torch.nn.Module, name, fn)
