@@ -23,6 +23,7 @@ from torch import nn
 from backlens import _torch
 from backlens.derive.frameworks import refuse_other_framework
 from backlens.errors import TraceError, UnsupportedInputError
+from backlens.live import entry
 from backlens.live.batching import Batcher, ConcatBatcher
 from backlens.live.context import current_block
 from backlens.live.mediator import Event
@@ -251,7 +252,11 @@ class Lens:
 
 
 def wrap(model: nn.Module, batcher: Batcher | None = None) -> Lens:
-    """A :class:`Lens` over ``model``; ``batcher`` combines invokes (default: concat on dim 0)."""
+    """A :class:`Lens` over ``model``; ``batcher`` combines invokes (default: concat on dim 0).
+
+    The first call in a process installs ``Tensor.backward`` (``with t.backward():``
+    on any tensor) and ``Tensor.save``; importing backlens installs nothing.
+    """
     if not isinstance(model, nn.Module):
         refuse_other_framework(model, (), {}, "bl.wrap")
         raise UnsupportedInputError(
@@ -259,6 +264,7 @@ def wrap(model: nn.Module, batcher: Batcher | None = None) -> Lens:
             code="not_a_module",
             remedy="Pass the model (an nn.Module) itself.",
         )
+    entry.install()
     model = original_module(model)
     return Lens(model, _Root(model, batcher if batcher is not None else ConcatBatcher()))
 
