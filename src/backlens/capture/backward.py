@@ -38,7 +38,7 @@ from backlens.capture.state import CallEntry, CaptureState, PassEntry
 from backlens.capture.views import InputNode, NodeView
 from backlens.errors import NonFiniteGradError
 from backlens.graph import engine
-from backlens.graph.discovery import walk_bounded
+from backlens.graph.discovery import walk_bounded, walk_new
 
 _now = time.perf_counter_ns
 _task_id = _torch.graph_task_id_function()
@@ -234,19 +234,10 @@ class BackwardRecorder:
                 def owner(node: Any) -> Any:
                     return next((p for p in others if p.forward_node(node)), None)
 
-                seen: set[Any] = set()
-                queue = list(self._exits)
-                while queue:
-                    node = queue.pop()
-                    if node is None or node in seen:
-                        continue
-                    seen.add(node)
+                for node in walk_new(self._exits, lambda node: owner(node) is not None)[1]:
                     at = owner(node)
-                    if at is not None:
-                        if at not in found:
-                            found.append(at)
-                        continue
-                    queue.extend(child for child, _ in node.next_functions)
+                    if at not in found:
+                        found.append(at)
             self._upstream = [weakref.ref(p) for p in found]
         return [p for p in (ref() for ref in self._upstream) if p is not None and p.armed]
 

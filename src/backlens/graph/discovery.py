@@ -1,4 +1,4 @@
-"""Walking an autograd graph from its roots.
+"""Walking an autograd graph from its roots: the one walker (:class:`Walk`), told by predicates.
 
 Node wrappers are not weakref-able and their ``id()`` can be reused once the
 node is dropped, so callers that remember nodes must hold them strongly.
@@ -40,6 +40,58 @@ def _accumulator(leaf: torch.Tensor) -> Node | None:
         return None
 
 
+class Walk:
+    """A breadth-first walk of ``next_functions`` from ``roots``, advanced on demand.
+
+    Every walk of an autograd graph in backlens is one of these, told by
+    predicates where to stop and what to look for. ``met`` maps the id of
+    every node met so far to the node (held: a dropped node's id is reused);
+    nodes for which ``stop(node)`` holds are met but not entered.
+    :meth:`advance` walks on until a newly met node satisfies ``until`` and
+    returns it, so a question about the top of a big graph walks only the
+    top, and the next question resumes where the last one stopped.
+    """
+
+    __slots__ = ("met", "entered", "stopped", "_queue", "_stop")
+
+    def __init__(self, roots: Iterable[Node], stop: Callable[[Node], bool] | None = None):
+        self.met: dict[int, Node] = {}
+        self.entered: list[Node] = []  # in the order the walk entered them
+        self.stopped: list[Node] = []  # met, and not entered because ``stop`` held
+        self._queue: deque[Node] = deque()
+        self._stop = stop
+        for node in roots:
+            if node is not None and id(node) not in self.met:
+                self.met[id(node)] = node
+                self._queue.append(node)
+
+    def knows(self, node: Node) -> bool:
+        return self.met.get(id(node)) is node
+
+    def advance(self, until: Callable[[Node], bool] | None = None) -> Node | None:
+        """Walk on until a newly met node satisfies ``until`` (returned), or to the end (None)."""
+        met, queue, stop, entered = self.met, self._queue, self._stop, self.entered
+        while queue:
+            node = queue.popleft()
+            if stop is not None and stop(node):
+                self.stopped.append(node)
+                continue
+            entered.append(node)
+            for child, _ in node.next_functions:
+                if child is None or id(child) in met:
+                    continue
+                met[id(child)] = child
+                queue.append(child)
+                if until is not None and until(child):
+                    return child
+        return None
+
+
+def reaches(start: Node, goal: Node) -> bool:
+    """True when ``goal`` lies below ``start`` in the graph (``start`` itself included)."""
+    return start is goal or Walk([start]).advance(lambda node: node is goal) is not None
+
+
 def walk_new(
     roots: Iterable[Node], is_known: Callable[[Node], bool]
 ) -> tuple[list[Node], list[Node]]:
@@ -65,18 +117,6 @@ def walk_bounded(
 
 def _walk(roots: Iterable[Node], stop: Callable[[Node], bool]) -> tuple[list[Node], list[Node]]:
     """The nodes a breadth-first walk from ``roots`` entered, in order, and those it stopped at."""
-    seen: set[Node] = set()
-    found: list[Node] = []
-    stopped: list[Node] = []
-    queue = deque(roots)
-    while queue:
-        node = queue.popleft()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if stop(node):
-            stopped.append(node)
-            continue
-        found.append(node)
-        queue.extend(next_node for next_node, _ in node.next_functions)
-    return found, stopped
+    walk = Walk(roots, stop)
+    walk.advance()
+    return walk.entered, walk.stopped

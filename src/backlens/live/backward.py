@@ -40,12 +40,13 @@ from backlens.errors import (
     OutOfOrderError,
     TraceError,
 )
+from backlens.graph.freed import is_freed_graph
 from backlens.live import rows as rows_mod
 from backlens.live.compiler import CompiledBody, compile_body
 from backlens.live.context import Block, current_block, saved_names
-from backlens.live.freed import BackwardCall, freed_graph_error, is_freed_graph, recording_own
+from backlens.live.freed import BackwardCall, freed_graph_error, recording_own
 from backlens.live.gradpath import GraphIndex, reaches
-from backlens.live.mediator import Event, Mediator, StopRun, getcurrent
+from backlens.live.mediator import Event, Mediator, StopRun, answer_unserved, getcurrent
 from backlens.live.naming import Label, Site, describe
 from backlens.live.source import BlockSource
 from backlens.live.torchstate import CallerState, single_threaded_engine
@@ -162,6 +163,15 @@ class BackwardBlock(WithBody):
         self._tensor = None  # type: ignore[assignment]
 
 
+def _is_request(pending: Any) -> bool:
+    return pending is not None
+
+
+def _stop_on_error(mediator: Mediator) -> None:
+    if mediator.error is not None:
+        raise StopRun()
+
+
 @dataclass(eq=False)
 class _Target:
     """A tensor whose gradient a body asked for; named only if a message needs it."""
@@ -261,18 +271,10 @@ class BackwardRun:
 
     def _finish(self) -> None:
         """Tell a body still waiting that its gradient never came, and why."""
-        mediator = self.mediator
-        assert mediator is not None
-        attempts = 0
-        while not mediator.done and mediator.pending is not None:
-            attempts += 1
-            if attempts > 100:
-                mediator.cancel()
-                return
-            target = self._expect[mediator.pending]
-            mediator.fail(self._never_arrived(target))
-            if mediator.error is not None:
-                raise StopRun()
+        assert self.mediator is not None
+        answer_unserved(
+            self.mediator, _is_request, lambda pending: self._never_arrived(self._expect[pending]), _stop_on_error
+        )
 
     def _never_arrived(self, target: _Target) -> BaseException:
         if self.inputs is not None:

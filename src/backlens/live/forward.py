@@ -27,7 +27,7 @@ from backlens.live import rows as rows_mod
 from backlens.live.barrier import Barrier, BarrierWait, unfilled_error
 from backlens.live.compiler import CompiledBody
 from backlens.live.context import Block, saved_names
-from backlens.live.mediator import Event, Mediator, StopRun, getcurrent
+from backlens.live.mediator import Event, Mediator, StopRun, answer_unserved, getcurrent
 from backlens.live.naming import INPUT, OUTPUT, Site, site_name, spelled_path
 from backlens.live.skip import write_locals
 from backlens.live.torchstate import CallerState
@@ -193,22 +193,15 @@ class ForwardRun:
     def _finish(self) -> None:
         """Tell every body still waiting that its value never came, and why."""
         for mediator in self.mediators:
-            attempts = 0
-            while not mediator.done and isinstance(mediator.pending, tuple):
-                attempts += 1
-                if attempts > 100:  # a body that keeps catching and asking again
-                    mediator.cancel()
-                    break
-                kind, module = mediator.pending
-                waiters = self._waiting.get(mediator.pending)
-                if waiters and mediator in waiters:
-                    waiters.remove(mediator)
-                mediator.fail(self._unserved(mediator, module, kind))
-                self._after(mediator)
+            answer_unserved(mediator, _is_module_request, lambda pending, m=mediator: self._unserved(m, pending), self._after)
         while self._arrived:
             self._unfilled(next(iter(self._arrived)))
 
-    def _unserved(self, mediator: Mediator, module: nn.Module, kind: str) -> TraceError:
+    def _unserved(self, mediator: Mediator, key: tuple[str, nn.Module]) -> TraceError:
+        kind, module = key
+        waiters = self._waiting.get(key)
+        if waiters and mediator in waiters:
+            waiters.remove(mediator)
         address = self.address(module)
         site = site_name(address, kind)
         who = address or f"the model ({type(self.model).__name__})"
@@ -391,6 +384,10 @@ class ForwardRun:
 
 
 _UNSET = object()
+
+
+def _is_module_request(pending: Any) -> bool:
+    return isinstance(pending, tuple)
 
 
 def _invoke_index(mediator: Mediator) -> int:

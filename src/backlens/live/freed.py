@@ -7,7 +7,8 @@ nothing about invokes or about which earlier call freed it;
 :func:`freed_graph_error` says it in those terms, naming the earlier call
 (a ``.backward()`` of a block, or a ``torch.autograd.grad`` a body made: the
 engine wrapper tells a running trace of every run). No other error is
-reworded: the match is on torch's exact opening words.
+reworded: torch's error is recognised by the one detector both faces use
+(``graph/freed.py``).
 
 ``keep_graph=True`` keeps the graph alive for every backward in the trace and
 frees it at exit. Retaining is ``retain_graph=True`` on each backward;
@@ -28,12 +29,10 @@ import torch
 
 from backlens._fence import complete
 from backlens._frames import user_frame
-from backlens.errors import BacklensError, FreedGraphError
+from backlens.errors import FreedGraphError
 from backlens.graph import engine
 from backlens.live.context import current_block
 from backlens.live.source import where
-
-TORCH_FREED_TEXT = "Trying to backward through the graph a second time"
 
 
 class BackwardCall(NamedTuple):
@@ -55,15 +54,6 @@ class BackwardCall(NamedTuple):
         if self.invoke is not None and not self.single:
             return f"invoke {self.invoke}'s {self.call}"
         return self.call if self.single else f"the trace's {self.call}"
-
-
-def is_freed_graph(exc: BaseException) -> bool:
-    """True only for torch's own freed-graph error (never one of ours, never anything else)."""
-    return (
-        isinstance(exc, RuntimeError)
-        and not isinstance(exc, BacklensError)
-        and str(exc).startswith(TORCH_FREED_TEXT)
-    )
 
 
 def freed_graph_error(exc: RuntimeError, failing: BackwardCall, earlier: list[BackwardCall]) -> FreedGraphError:
