@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,9 +31,6 @@ from backlens.live.mediator import Event, Mediator, StopRun, answer_unserved, ge
 from backlens.live.naming import INPUT, OUTPUT, Site, site_name, spelled_path
 from backlens.live.skip import write_locals
 from backlens.live.torchstate import CallerState
-
-if TYPE_CHECKING:
-    from backlens.live.tracer import Tracer
 
 
 @dataclass(eq=False)
@@ -52,7 +49,7 @@ class Invoke:
 class ForwardRun:
     """One model call serving every invoke of a trace."""
 
-    def __init__(self, tracer: Tracer, invokes: list[Invoke], state: CallerState):
+    def __init__(self, tracer: Any, invokes: list[Invoke], state: CallerState):  # tracer: the Tracer it runs for
         self.tracer = tracer
         self.invokes = invokes
         self.state = state
