@@ -82,7 +82,11 @@ class Subscription:
         self._thread = thread
 
     def cancel(self) -> None:
-        complete(lambda: _remove(self._thread, self._ref))
+        try:
+            _remove(self._thread, self._ref)
+        except KeyboardInterrupt:  # cut short: finish it, then let the interrupt go on
+            complete(lambda: _remove(self._thread, self._ref))
+            raise
 
 
 _lock = threading.RLock()  # weakref callbacks may run while it is held
@@ -94,7 +98,7 @@ _installed: tuple[str, Any, Any] | None = None  # (attribute, torch's function, 
 def subscribe(subscriber: Subscriber) -> Subscription:
     """Show ``subscriber`` the module calls of the calling thread until the subscription is cancelled."""
     thread = threading.get_ident()
-    ref = weakref.ref(subscriber, lambda dead: _remove(thread, dead))
+    ref = weakref.ref(subscriber, lambda dead: _forget_dead(thread, dead))
     with _lock:
         _by_thread[thread] = (*_by_thread.get(thread, ()), ref)
         _install()
@@ -106,17 +110,26 @@ def watching() -> bool:
     return _installed is not None and bool(_by_thread)
 
 
+def _forget_dead(thread: int, dead: weakref.ref) -> None:
+    """A subscriber was freed: take it out unless it was cancelled already (the usual case)."""
+    if any(ref is dead for ref in _by_thread.get(thread, ())):
+        _remove(thread, dead)
+
+
 def _remove(thread: int, ref: weakref.ref) -> None:
     with _lock:
         refs = _by_thread.get(thread)
-        if refs is not None and any(r is ref for r in refs):
-            left = tuple(r for r in refs if r is not ref)
-            if left:
-                _by_thread[thread] = left
-            else:
-                del _by_thread[thread]
+        if refs is not None:
+            if len(refs) == 1:
+                if refs[0] is ref:
+                    del _by_thread[thread]
+            elif any(r is ref for r in refs):
+                _by_thread[thread] = tuple(r for r in refs if r is not ref)
         if not _by_thread:
             _uninstall()
+
+
+_wrappers: dict[str, tuple[Any, Any]] = {}  # attribute -> (the function wrapped, its wrapper): made once
 
 
 def _install() -> None:
@@ -124,9 +137,11 @@ def _install() -> None:
     if _installed is not None:
         return
     name, original = _torch.module_call_entry()
-    wrapper = _make_wrapper(original)
-    _installed = (name, original, wrapper)
-    _torch.set_module_call_entry(name, wrapper)
+    made = _wrappers.get(name)
+    if made is None or made[0] is not original:
+        made = _wrappers[name] = (original, _make_wrapper(original))
+    _installed = (name, original, made[1])
+    _torch.set_module_call_entry(name, made[1])
 
 
 def _uninstall() -> None:
