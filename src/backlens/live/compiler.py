@@ -46,7 +46,7 @@ _LOCALS = _PREFIX + "locals__"
 _FUNC = _PREFIX + "block__"
 _NO_FIRST = object()
 
-_codes: dict[tuple[Any, ...], tuple[BlockSource, types.CodeType, types.CodeType]] = {}
+_codes: dict[tuple[Any, ...], tuple[BlockSource, types.CodeType, types.CodeType, tuple[str, ...]]] = {}
 _checked: dict[tuple[str, int, int], int] = {}
 
 
@@ -175,19 +175,21 @@ def compile_body(block: BlockSource, frame: types.FrameType, what: str, grads: b
     unbound = tuple(name for name in shape.unbound if name not in namespace) if shape.unbound else ()
     class_cell = shape.uses_super and "__class__" in caller_locals
     code_key = frame.f_code
-    namespace.update(rewrite.HELPERS)
     key = (id(block), tuple(present), unbound, first, class_cell, id(code_key), grads)
     hit = _codes.get(key)
     if hit is not None and hit[0] is block and hit[1] is code_key:
-        code = hit[2]
+        code, helpers = hit[2], hit[3]
     else:
         code_name = code_key.co_name
         qualname = getattr(code_key, "co_qualname", code_name)
         with ast_lock:
             code = _compile(block, tuple(present), unbound, first, class_cell, code_name, qualname, what, grads)
+        helpers = tuple(name for name in (*code.co_varnames, *code.co_cellvars) if name in rewrite.HELPERS)
         if len(_codes) > 4096:
             _codes.clear()
-        _codes[key] = (block, code_key, code)
+        _codes[key] = (block, code_key, code, helpers)
+    for name in helpers:  # what the rewritten statements call (rewrite.py)
+        namespace[name] = rewrite.HELPERS[name]
     closure = None
     if code.co_freevars:
         cell = types.CellType(caller_locals["__class__"]) if class_cell else types.CellType()

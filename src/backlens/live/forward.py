@@ -58,7 +58,7 @@ class ForwardRun:
         self.driver: Any = None
         self.mediators: list[Mediator] = []
         self._waiting: dict[tuple[str, nn.Module], list[Mediator]] = {}
-        self._ran: dict[nn.Module, int] = {}
+        self._ran: set[nn.Module] = set()  # modules whose call returned
         self._addresses: dict[nn.Module, str] = {}
         self._params: dict[int, str] | None = None
         self._sites: dict[int, Site] = {}
@@ -204,7 +204,7 @@ class ForwardRun:
         who = address or f"the model ({type(self.model).__name__})"
         invoke = mediator.block.invoke
         label = f"{site} (invoke {invoke.index})" if invoke is not None else site
-        if self._ran.get(module):
+        if module in self._ran:
             return TraceError(
                 f"{label} was requested after {who} had already run: values are served while "
                 "the model runs, in the order its modules run, so a module's value must be "
@@ -314,8 +314,7 @@ class ForwardRun:
         return None
 
     def module_returned(self, module: nn.Module, token: Any, output: Any) -> Any:
-        ran = self._ran
-        ran[module] = ran.get(module, 0) + 1
+        self._ran.add(module)
         if module is self.model:  # served when the model call returns (see execute)
             return output
         key = (OUTPUT, module)

@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import contextvars
 import threading
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from typing import Any, NamedTuple
 
 import torch
@@ -115,18 +114,39 @@ def _on_engine_run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     tracer._backwards.append(BackwardCall(invoke, retain, frame.f_code.co_filename, frame.f_lineno, call, tracer._single))
 
 
-@contextmanager
-def engine_watched() -> Iterator[None]:
+def engine_watched() -> _EngineWatch:
     """Have the engine wrapper tell the traces running now of the runs their bodies start (to
     name who freed a graph): observed while any trace runs, so that outside traces torch's
     engine entry point is its own again. A Ctrl-C cannot leave the observer behind."""
-    token = object()
-    try:
-        _watching.add(token)
+    return _EngineWatch()
+
+
+class _EngineWatch:
+    """One trace's share of the engine observer (a plain class: entered once per trace)."""
+
+    __slots__ = ("_token",)
+
+    def __init__(self) -> None:
+        self._token = object()
+
+    def __enter__(self) -> None:
+        try:
+            _watching.add(self._token)
+            _sync_watch()
+        except BaseException:
+            complete(self._leave)
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self._leave()
+        except KeyboardInterrupt:
+            complete(self._leave)
+            raise
+
+    def _leave(self) -> None:
+        _watching.discard(self._token)
         _sync_watch()
-        yield
-    finally:
-        complete(lambda: (_watching.discard(token), _sync_watch()))
 
 
 def _sync_watch() -> None:
