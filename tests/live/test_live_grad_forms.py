@@ -251,3 +251,73 @@ def test_delattr_of_a_computed_grad_name_raises_a_named_error(mlp, lens, x):
             with lens.output.sum().backward():
                 delattr(hidden, name)
     assert info.value.code == "unsupported_grad_form"
+
+
+def _with_item_zeroed(grad):
+    edited = grad.clone()
+    edited[:, 0] = 0
+    return edited
+
+
+def test_an_item_assignment_edits_a_copy_of_the_gradient(mlp, lens, x):
+    seen = {}
+    with lens.trace(x):
+        hidden = lens.fc2.output
+        with lens.output.sum().backward():
+            arrived = hidden.grad
+            before = arrived.clone()
+            hidden.grad[:, 0] = 0
+            seen["untouched"] = torch.equal(arrived, before)
+    assert seen["untouched"]
+    assert_same(taken_param_grads(mlp), stock_param_grads(mlp, x, {"fc2": _with_item_zeroed}))
+
+
+def test_an_augmented_item_assignment_edits_a_copy_of_the_gradient(mlp, lens, x):
+    def doubled_row(grad):
+        edited = grad.clone()
+        edited[1] *= 2
+        return edited
+
+    with lens.trace(x):
+        hidden = lens.fc2.output
+        with lens.output.sum().backward():
+            hidden.grad[1] *= 2
+    assert_same(taken_param_grads(mlp), stock_param_grads(mlp, x, {"fc2": doubled_row}))
+
+
+def test_an_item_assignment_in_an_invoke_edits_only_its_rows(mlp, lens):
+    a, b = torch.randn(2, 4), torch.randn(3, 4)
+    with lens.trace() as tracer:
+        with tracer.invoke(a):
+            hidden = lens.fc2.output
+            with lens.output.sum().backward(retain_graph=True):
+                hidden.grad[:, 0] = 0
+        with tracer.invoke(b):
+            pass
+    got = taken_param_grads(mlp)
+
+    def first_rows_edited(grad):
+        edited = grad.clone()
+        edited[:2, 0] = 0
+        return edited
+
+    hidden = mlp.fc2(mlp.act(mlp.fc1(torch.cat([a, b]))))
+    hidden.register_hook(first_rows_edited)
+    mlp.fc3(torch.tanh(hidden))[:2].sum().backward()  # invoke 0's rows of the output
+    assert_same(got, taken_param_grads(mlp))
+
+
+@pytest.mark.parametrize("how", ["method", "augmented name"])
+def test_changing_a_served_gradient_in_place_stops_the_backward_with_a_named_error(mlp, lens, x, how):
+    with pytest.raises(TraceError) as info:
+        with lens.trace(x):
+            hidden = lens.fc2.output
+            with lens.output.sum().backward():
+                if how == "method":
+                    hidden.grad.mul_(2)
+                else:
+                    g = hidden.grad
+                    g *= 2
+                    hidden.grad = g
+    assert info.value.code == "grad_changed_in_place"
+    assert "fc2.output.grad" in str(info.value)

@@ -419,7 +419,21 @@ class BackwardRun:
         # Recorded before the body runs on: its next request is checked against it.
         self._served[key] = event
         self._last = self._expect[key]
+        version = grad._version
         mediator.serve(event)
         if mediator.error is not None:
             raise StopRun()
+        if grad._version != version:  # (also when replaced: the buffer may reach other paths)
+            raise self._changed_in_place(self._expect[key])
         return event.value if event.replaced else None
+
+    def _changed_in_place(self, target: _Target) -> TraceError:
+        return TraceError(
+            f"{target.label.grad} was changed in place by the backward block (an in-place operation "
+            "such as .mul_() or .zero_() on the gradient it served). That gradient is autograd's own "
+            "buffer, which it may also be handing to other paths of the graph, so the edit could reach "
+            "gradients it was not meant for; the backward was stopped.",
+            code="grad_changed_in_place",
+            remedy="Assign a new tensor instead (h.grad = h.grad * 2); item assignments "
+            "(h.grad[0] = 0, h.grad[0] *= 2) work too: they edit a copy.",
+        )

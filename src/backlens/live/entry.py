@@ -111,6 +111,36 @@ class _GradTarget:
         return apply
 
 
+class _GradItems:
+    """``X.grad`` where a backward body assigns one of its items (``_GradItems(X)[k] = v``):
+    the item is set in a copy of the gradient, and the copy becomes the gradient."""
+
+    __slots__ = ("_of",)
+
+    def __init__(self, of: Any):
+        self._of = of
+
+    def __getitem__(self, key: Any) -> Any:
+        # Read by ``X.grad[k] op= v`` before the operation: a copy, so the operation cannot
+        # change autograd's buffer in place.
+        run = _served(self._of)
+        if run is None:
+            return self._of.grad[key]
+        item = run.read_grad(self._of, sys._getframe(1))[key]
+        return item.clone() if isinstance(item, torch.Tensor) else item
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        of = self._of
+        run = _served(of)
+        if run is None:
+            of.grad[key] = value
+            return
+        frame = sys._getframe(1)
+        edited = run.read_grad(of, frame).clone()
+        edited[key] = value
+        run.write_grad(of, edited, frame)
+
+
 def _grad_attr(fn: Any, *args: Any, **kwargs: Any) -> Any:
     """``getattr``/``setattr``/``delattr`` called in a backward body: a ``"grad"`` name is served."""
     if len(args) >= 2 and type(args[1]) is str and args[1] == "grad" and not kwargs:
@@ -174,6 +204,7 @@ rewrite.HELPERS.update(
     {
         rewrite.GRAD: _grad_of,
         rewrite.GRAD_TARGET: _GradTarget,
+        rewrite.GRAD_ITEMS: _GradItems,
         rewrite.GRAD_ATTR: _grad_attr,
         rewrite.WITH_BACKWARD: _with_backward,
         rewrite.CALL_BACKWARD: _call_backward,

@@ -23,6 +23,12 @@ nothing needs patching in torch for them:
     the gradient's read, then ``v``, then the store, as Python orders them,
     with the operation applied to a copy (autograd's own buffer is never
     changed in place);
+  - an item assignment, ``X.grad[k] = v`` or ``X.grad[k] op= v``, becomes
+    ``GRAD_ITEMS(X)[k] = ...``: the gradient is copied, the item set in the
+    copy, and the copy set as the gradient (autograd may hand one buffer to
+    several paths: changed in place, the edit would reach them too; other
+    in-place changes of a served gradient are refused when the block hands
+    control back, ``grad_changed_in_place``);
   - ``getattr``, ``setattr`` and ``delattr`` calls are routed through
     :data:`GRAD_ATTR`, which serves a ``"grad"`` name;
   - ``del X.grad`` and ``X.grad`` in a ``case`` pattern have no meaning for a
@@ -46,6 +52,7 @@ from backlens.live.source import where
 PREFIX = "__backlens_"
 GRAD = PREFIX + "grad__"
 GRAD_TARGET = PREFIX + "grad_target__"
+GRAD_ITEMS = PREFIX + "grad_items__"
 GRAD_ATTR = PREFIX + "grad_attr__"
 WITH_BACKWARD = PREFIX + "with_backward__"
 CALL_BACKWARD = PREFIX + "call_backward__"
@@ -65,7 +72,7 @@ def rewrite(body: list[ast.stmt], grads: bool, filename: str, what: str) -> tupl
         refuse_grad_forms(body, filename, what)
     if not _needs_rewrite(body, grads):
         return list(body), []
-    rewriter = _Rewriter(grads, filename, what)
+    rewriter = _Rewriter(grads, filename)
     out = [rewriter.visit(copy.deepcopy(stmt)) for stmt in body]
     return out, sorted(rewriter.used)
 
@@ -94,10 +101,9 @@ def _is_backward_call(node: ast.AST) -> bool:
 
 
 class _Rewriter(ast.NodeTransformer):
-    def __init__(self, grads: bool, filename: str, what: str):
+    def __init__(self, grads: bool, filename: str):
         self.grads = grads
         self.filename = filename
-        self.what = what
         self.used: set[str] = set()
         self._with_items: set[int] = set()
 
@@ -134,6 +140,15 @@ class _Rewriter(ast.NodeTransformer):
         return node
 
     # -- .grad -----------------------------------------------------------------
+    def visit_Subscript(self, node: ast.Subscript) -> ast.AST:
+        if not (self.grads and isinstance(node.ctx, ast.Store) and _is_grad(node.value)):
+            return self.generic_visit(node)
+        grad = node.value
+        assert isinstance(grad, ast.Attribute)
+        node.value = _call_with(self._helper(GRAD_ITEMS, grad), [self.visit(grad.value)], grad)
+        node.slice = self.visit(node.slice)
+        return node
+
     def visit_Attribute(self, node: ast.Attribute) -> ast.AST:
         self.generic_visit(node)
         if not self.grads or node.attr != "grad":
