@@ -46,13 +46,15 @@ class Lens:
     ``_lens_spelled`` the way the user reached it (``transformer.h[1]``).
     """
 
-    __slots__ = ("_lens_module", "_lens_root", "_lens_address", "_lens_spelled")
+    __slots__ = ("_lens_module", "_lens_root", "_lens_address", "_lens_spelled", "_lens_children")
 
     def __init__(self, module: nn.Module, root: _Root, address: str = "", spelled: str | None = None):
         object.__setattr__(self, "_lens_module", module)
         object.__setattr__(self, "_lens_root", root)
         object.__setattr__(self, "_lens_address", address)
         object.__setattr__(self, "_lens_spelled", address if spelled is None else spelled)
+        # Children as reached before (a body reaches the same ones at every trace).
+        object.__setattr__(self, "_lens_children", {})
 
     # -- tracing -------------------------------------------------------------
     def trace(self, *args: Any, keep_graph: bool = False, **kwargs: Any) -> Any:
@@ -172,10 +174,15 @@ class Lens:
     # -- the module tree -----------------------------------------------------
     def _child(self, module: nn.Module, name: str, step: str | None = None) -> Lens:
         """The lens of a child, reached by ``.name`` (or by ``step``, an index as typed: ``[1]``)."""
+        children = self._lens_children
+        known = children.get((name, step))
+        if known is not None and known._lens_module is module:  # (a replaced submodule gets a new lens)
+            return known
         address = f"{self._lens_address}.{name}" if self._lens_address else name
-        if step is None:
-            step = f".{name}" if self._lens_spelled else name
-        return Lens(module, self._lens_root, address, self._lens_spelled + step)
+        spelled = step if step is not None else (f".{name}" if self._lens_spelled else name)
+        child = Lens(module, self._lens_root, address, self._lens_spelled + spelled)
+        children[(name, step)] = child
+        return child
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") and name.endswith("__"):
