@@ -21,7 +21,6 @@ import os
 import sys
 import threading
 import types
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -94,31 +93,27 @@ V = TypeVar("V")
 
 
 class Bounded(Generic[K, V]):
-    """A dict that forgets its least recently used entries beyond ``size`` (one per notebook
-    cell, file or code object would otherwise grow without bound)."""
+    """A dict that forgets its oldest entries beyond ``size`` (one per notebook cell, file or
+    code object would otherwise grow without bound). A hit is a plain dict lookup: these are
+    read on every trace, and an entry forgotten is only worked out again."""
 
     __slots__ = ("_items", "_size", "_lock")
 
     def __init__(self, size: int):
-        self._items: OrderedDict[K, V] = OrderedDict()
+        self._items: dict[K, V] = {}
         self._size = size
         self._lock = threading.Lock()  # traces in several threads share the caches
 
     def get(self, key: K) -> V | None:
-        with self._lock:
-            items = self._items
-            value = items.get(key)
-            if value is not None:
-                items.move_to_end(key)
-            return value
+        return self._items.get(key)
 
     def put(self, key: K, value: V) -> None:
         with self._lock:
             items = self._items
+            items.pop(key, None)  # re-entered as the newest
             items[key] = value
-            items.move_to_end(key)
             while len(items) > self._size:
-                items.popitem(last=False)
+                del items[next(iter(items))]
 
     def __len__(self) -> int:
         return len(self._items)
