@@ -976,3 +976,62 @@ def open_profiler_range(name: str) -> Any:
 
 def close_profiler_range(handle: Any) -> None:
     _range_exit(handle)
+
+
+# module calls -----------------------------------------------------------------
+# ``nn.Module.__call__`` (``_wrapped_call_impl``) hands every call to the private
+# ``nn.Module._call_impl``. Wrapping that one attribute watches every module call
+# and leaves modules on torch's fast path (any forward hook, global or not, puts
+# every call on the slow hooked path), and setting it is cheap (no type slot to
+# update). Without it, ``nn.Module.__call__`` itself is wrapped: the same calls
+# are seen, but each install updates the call slot of every module class.
+
+import types as _types  # noqa: E402 - grouped with what uses it
+
+
+class _CallProbe(torch.nn.Module):
+    def _call_impl(self, *args: Any, **kwargs: Any) -> str:
+        return "through _call_impl"
+
+
+def _calls_go_through_call_impl() -> bool:
+    """Whether ``nn.Module.__call__`` hands a call to ``self._call_impl`` (asked of a
+    probe module that overrides it, not read from bytecode)."""
+    try:
+        return _CallProbe()() == "through _call_impl"
+    except Exception:  # noqa: BLE001 - any failure means: not this torch's way
+        return False
+
+
+HAS_MODULE_CALL_IMPL = (
+    isinstance(torch.nn.Module.__dict__.get("_call_impl"), _types.FunctionType)
+    and _calls_go_through_call_impl()
+)
+
+CAPABILITIES = (
+    *CAPABILITIES,
+    Capability(
+        "HAS_MODULE_CALL_IMPL",
+        HAS_MODULE_CALL_IMPL,
+        "watching module calls (capture's module records, live tracing's module values) while keeping "
+        "modules on torch's fast call path",
+        "nn.Module.__call__ is wrapped instead: the same calls are seen, and each capture or trace pays "
+        "about 0.2 ms to install it",
+    ),
+)
+
+
+def module_call_entry() -> tuple[str, Callable[..., Any]]:
+    """The ``nn.Module`` attribute that module calls go through (``_call_impl``, else
+    ``__call__``) and its current value. Read at each install, so a test can turn the
+    capability off."""
+    name = "_call_impl" if HAS_MODULE_CALL_IMPL else "__call__"
+    return name, torch.nn.Module.__dict__[name]
+
+
+def module_call_entry_now(name: str) -> Any:
+    return torch.nn.Module.__dict__.get(name)
+
+
+def set_module_call_entry(name: str, fn: Callable[..., Any]) -> None:
+    setattr(torch.nn.Module, name, fn)

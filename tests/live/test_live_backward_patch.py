@@ -1,4 +1,4 @@
-"""`Tensor.backward` keeps its stock behaviour unless used as a `with`."""
+"""`Tensor.backward`, as the first `bl.wrap()` installs it, keeps its stock behaviour unless used as a `with`."""
 
 from __future__ import annotations
 
@@ -7,8 +7,13 @@ import inspect
 import pytest
 import torch
 
-import backlens.live  # noqa: F401  (installs the patch)
+import backlens.live as bl
 from backlens.live.backward import BackwardBlock, _stock_backward
+
+
+@pytest.fixture(autouse=True)
+def installed():
+    bl.wrap(torch.nn.Linear(1, 1))
 
 
 def test_the_patch_is_installed_and_keeps_the_stock_signature():

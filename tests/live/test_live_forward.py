@@ -350,3 +350,12 @@ def test_inputs_set_to_something_else_than_args_and_kwargs_is_refused(mlp, lens,
     assert info.value.code == "bad_inputs_value"
     assert "fc3.inputs" in str(info.value)
     assert_clean(mlp)
+
+
+def test_a_submodule_replaced_after_wrap_is_traced_through_its_own_lens(mlp, lens, x):
+    first = lens.fc2
+    mlp.fc2 = torch.nn.Linear(8, 8)
+    assert lens.fc2 is not first and lens.fc2._lens_module is mlp.fc2
+    with lens.trace(x):
+        out = lens.fc2.output.save()
+    assert torch.equal(out, mlp.fc2(mlp.act(mlp.fc1(x))))

@@ -2,9 +2,8 @@
 
 A ``TorchFunctionMode`` sees each torch-level call once (nested calls run with
 the mode disabled), so an op is what the model's code called: ``linear``,
-``relu``, ``__getitem__``. Module calls are seen by one process-wide wrapper of
-``nn.Module._call_impl``, installed while a capture records (forward hooks
-would put every module call on torch's slow path). Each op and module call is
+``relu``, ``__getitem__``. Module calls are seen through the one module-call
+mechanism (``backlens._module_calls``) while a capture records. Each op and module call is
 bracketed by autograd sequence numbers, which later pairs every autograd node
 with the op and module that created it.
 
@@ -16,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import sys
-import threading
 import weakref
 from bisect import bisect_right
 from collections.abc import Callable, Iterable
@@ -26,6 +24,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from backlens import _module_calls as module_calls
 from backlens import _torch
 from backlens._clock import now as _now
 from backlens._frames import is_internal
@@ -342,11 +341,9 @@ class ActivationPolicy:
 
 
 class ForwardRecorder(TorchFunctionMode):
-    """Journals ops (as a TorchFunctionMode) and module calls (as hooks).
-
-    Module hooks are registered process-wide for the forward only (two handles
-    instead of two per module) and ignore modules outside the captured model.
-    """
+    """Journals ops (as a TorchFunctionMode) and module calls (as a subscriber of
+    ``backlens._module_calls``, for the forward only, ignoring modules outside the
+    captured model)."""
 
     # A subclass method sees every journalled call right after its row:
     # observe_row(index, func, args, kwargs, out). A method, not an attribute set
@@ -384,6 +381,7 @@ class ForwardRecorder(TorchFunctionMode):
         self._own_read = False
         # A memory=True capture's MemoryRecorder (capture/memory.py): told when each module call starts and ends.
         self.memory: Any = None
+        self._subscription: Any = None
 
     def record_replay(self, recording: Any) -> None:
         """Record every op's call into ``recording`` (a ReplayRecording) during the forward."""
@@ -407,31 +405,30 @@ class ForwardRecorder(TorchFunctionMode):
     def attach(self, addresses: dict[int, str], module_types: dict[str, str]) -> None:
         """Watch the model's module calls (``addresses``: module id -> address) in this thread until ``detach``.
 
-        Forward hooks, local or global, push every module call onto
-        ``nn.Module``'s slow call path (several microseconds a call). Instead
-        ``nn.Module._call_impl`` is wrapped while any capture is recording (see
-        ``_ModuleCalls``); modules keep their fast path, and other threads' and
-        other models' module calls pass straight through.
+        Through the one module-call mechanism (``backlens._module_calls``):
+        modules keep torch's fast path, and other threads' and other models'
+        module calls pass straight through.
         """
         self._addresses = addresses
         self.journal.module_types = module_types
-        _MODULE_CALLS.push(self)
+        self._subscription = module_calls.subscribe(self)
 
     def detach(self) -> None:
-        _MODULE_CALLS.pop(self)
+        subscription, self._subscription = self._subscription, None
+        if subscription is not None:
+            subscription.cancel()
         self._module_stack.clear()
 
-    def module_call(self, original: Callable[..., Any], module: Any, args: tuple, kwargs: dict) -> Any:
-        """Journal one module call around torch's own ``_call_impl`` (runs per call: kept flat)."""
+    def module_called(self, module: Any, args: tuple, kwargs: dict) -> ModuleCallEntry | None:
+        """Journal the start of one module call (runs per call: kept flat)."""
         address = self._addresses.get(id(module))
         if address is None:
-            return original(module, *args, **kwargs)
+            return None
         journal = self.journal
         stack = self._module_stack
         index = len(journal.module_calls)
-        parent = stack[-1] if stack else None
         call = ModuleCallEntry(
-            index, address, len(journal.calls_of(address)) + 1, parent,
+            index, address, len(journal.calls_of(address)) + 1, stack[-1] if stack else None,
             op_start=len(self._raw), seq_start=self._seq(),
         )
         journal.note_call(call)
@@ -440,13 +437,20 @@ class ForwardRecorder(TorchFunctionMode):
         if memory is not None:
             memory.call_started(index, args, kwargs)
         call.start_ns = _now()
-        try:
-            output = original(module, *args, **kwargs)
-        finally:
-            call.end_ns = _now()
-            stack.pop()
-            if memory is not None:
-                memory.call_ended(index)
+        return call
+
+    def _call_ended(self, call: ModuleCallEntry) -> None:
+        call.end_ns = _now()
+        self._module_stack.pop()
+        if self.memory is not None:
+            self.memory.call_ended(call.index)
+
+    def module_raised(self, module: Any, call: ModuleCallEntry) -> None:
+        self._call_ended(call)
+
+    def module_returned(self, module: Any, call: ModuleCallEntry, output: Any) -> Any:
+        """Journal the end of one module call; an activation edit may replace its output."""
+        self._call_ended(call)
         with _disable_torch_function() if _torch.HAS_DISABLE_TORCH_FUNCTION else _OwnRead(self):
             if self.module_output_hook is not None:
                 edited = self.module_output_hook(call, output)
@@ -457,7 +461,7 @@ class ForwardRecorder(TorchFunctionMode):
             call.op_end = len(self._raw)
             first = output if isinstance(output, Tensor) else first_tensor(output)
             if self.replay is not None:
-                self.replay.module_output(index, first)
+                self.replay.module_output(call.index, first)
             if first is not None:
                 call.output_shape = tuple(first.shape)
                 node = first.grad_fn
@@ -577,57 +581,6 @@ def _call_site(site: tuple[Any, int] | None) -> CallSite | None:
     return CallSite(site[0].co_filename, site[1], site[0].co_name) if site is not None else None
 
 
-class _ModuleCalls:
-    """The one wrapper of ``nn.Module._call_impl``, installed while any capture records.
-
-    Each thread has a stack of recording captures (innermost last); a module
-    call in a thread with none goes straight to torch's own ``_call_impl``. The
-    original is restored when the last capture detaches, and also when the
-    last recording capture is freed without detaching (held weakly: a forward
-    cut short where no cleanup could run still takes the wrapper with it).
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.RLock()  # weakref callbacks may run while it is held
-        self._by_thread: dict[int, list[weakref.ref]] = {}
-        self._original: Callable[..., Any] | None = None
-
-    def push(self, recorder: ForwardRecorder) -> None:
-        with self._lock:
-            self._by_thread.setdefault(threading.get_ident(), []).append(weakref.ref(recorder, self._dropped))
-            if self._original is None:
-                self._original = torch.nn.Module._call_impl
-                torch.nn.Module._call_impl = self._make_wrapper(self._original)
-
-    def pop(self, recorder: ForwardRecorder | None) -> None:
-        """Stop routing to ``recorder`` (None: only forget recorders that are gone)."""
-        with self._lock:
-            for thread, stack in list(self._by_thread.items()):
-                stack[:] = [ref for ref in stack if ref() is not None and ref() is not recorder]
-                if not stack:
-                    del self._by_thread[thread]
-            if not self._by_thread and self._original is not None:
-                torch.nn.Module._call_impl = self._original
-                self._original = None
-
-    def _dropped(self, _ref: weakref.ref) -> None:
-        self.pop(None)
-
-    def _make_wrapper(self, original: Callable[..., Any]):
-        by_thread = self._by_thread
-        get_ident = threading.get_ident
-
-        def _call_impl(module, *args, **kwargs):
-            stack = by_thread.get(get_ident())
-            recorder = stack[-1]() if stack else None
-            if recorder is None:
-                return original(module, *args, **kwargs)
-            return recorder.module_call(original, module, args, kwargs)
-
-        return _call_impl
-
-
-_MODULE_CALLS = _ModuleCalls()
 
 
 def _collect(items: Any, ids: dict[int, int], alive: dict[int, weakref.ref], refs: list[int]) -> None:

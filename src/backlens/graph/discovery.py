@@ -1,4 +1,4 @@
-"""Walking an autograd graph from its roots.
+"""Walking an autograd graph from its roots: the one walker (:class:`Walk`), told by predicates.
 
 Node wrappers are not weakref-able and their ``id()`` can be reused once the
 node is dropped, so callers that remember nodes must hold them strongly.
@@ -41,15 +41,67 @@ def _accumulator(leaf: torch.Tensor) -> Node | None:
         return None
 
 
+class Walk:
+    """A breadth-first walk of ``next_functions`` from ``roots``, advanced on demand.
+
+    Every walk of an autograd graph in backlens is one of these, told by
+    predicates where to stop and what to look for. ``met`` maps the id of
+    every node met so far to the node (held: a dropped node's id is reused);
+    nodes for which ``stop(node)`` holds are met but not entered.
+    :meth:`advance` walks on until a newly met node satisfies ``until`` and
+    returns it, so a question about the top of a big graph walks only the
+    top, and the next question resumes where the last one stopped. With
+    ``parents``, ``led_by`` maps each node met to the node whose edge the walk
+    first met it by (None for a root).
+    """
+
+    __slots__ = ("met", "entered", "stopped", "led_by", "_queue", "_stop")
+
+    def __init__(self, roots: Iterable[Node], stop: Callable[[Node], bool] | None = None, *,
+                 parents: bool = False):
+        self.met: dict[int, Node] = {}
+        self.entered: list[Node] = []  # in the order the walk entered them
+        self.stopped: list[Node] = []  # met, and not entered because ``stop`` held
+        self.led_by: dict[Node, Node | None] | None = {} if parents else None
+        self._queue: deque[Node] = deque()
+        self._stop = stop
+        for node in roots:
+            if node is not None and id(node) not in self.met:
+                self.met[id(node)] = node
+                self._queue.append(node)
+                if parents:
+                    self.led_by[node] = None
+
+    def knows(self, node: Node) -> bool:
+        return self.met.get(id(node)) is node
+
+    def advance(self, until: Callable[[Node], bool] | None = None) -> Node | None:
+        """Walk on until a newly met node satisfies ``until`` (returned), or to the end (None)."""
+        met, queue, stop, entered, led_by = self.met, self._queue, self._stop, self.entered, self.led_by
+        while queue:
+            node = queue.popleft()
+            if stop is not None and stop(node):
+                self.stopped.append(node)
+                continue
+            entered.append(node)
+            for child, _ in node.next_functions:
+                if child is None or id(child) in met:
+                    continue
+                met[id(child)] = child
+                queue.append(child)
+                if led_by is not None:
+                    led_by[child] = node
+                if until is not None and until(child):
+                    return child
+        return None
+
+
 @dataclass
 class GraphWalk:
-    """What one breadth-first walk of ``next_functions`` found.
-
-    ``found``: the nodes it entered, in discovery order. ``stopped``: the nodes it
-    reached and did not enter (``stop`` said so), in the order reached. ``led_by``
-    (when asked for): each entered node's first predecessor on the walk (None for
-    a root).
-    """
+    """What a whole walk found: ``found``, the nodes it entered, in discovery order;
+    ``stopped``, the nodes it reached and did not enter (``stop`` said so), in the
+    order reached; ``led_by`` (when asked for), each entered node's first
+    predecessor on the walk (None for a root)."""
 
     found: list[Node] = field(default_factory=list)
     stopped: list[Node] = field(default_factory=list)
@@ -58,38 +110,16 @@ class GraphWalk:
 
 def walk(roots: Iterable[Node], stop: Callable[[Node], bool] | None = None, *,
          parents: bool = False) -> GraphWalk:
-    """The one graph walker: breadth first from ``roots``, entering every node ``stop`` does
-    not stop at (each node once), noting each entered node's first predecessor when
-    ``parents`` is asked for. Every walk of a captured graph goes through it."""
-    result = GraphWalk()
-    found, stopped, led_by = result.found, result.stopped, result.led_by
-    seen: set[Node] = set()
-    queue = deque((root, None) for root in roots)
-    while queue:
-        node, parent = queue.popleft()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if stop is not None and stop(node):
-            stopped.append(node)
-            continue
-        found.append(node)
-        if parents:
-            led_by[node] = parent
-        queue.extend((child, node) for child, _ in node.next_functions)
-    return result
+    """A :class:`Walk` taken to its end: breadth first from ``roots``, entering every node
+    ``stop`` does not stop at (each node once)."""
+    done = Walk(roots, stop, parents=parents)
+    done.advance()
+    return GraphWalk(done.entered, done.stopped, done.led_by if parents else {})
 
 
-def walk_new(
-    roots: Iterable[Node], is_known: Callable[[Node], bool]
-) -> tuple[list[Node], list[Node]]:
-    """Breadth-first walk from ``roots`` that does not enter known nodes.
-
-    Returns the unknown nodes in discovery order, and the known nodes the walk
-    reached (so the caller can tell whether the graph touches its own).
-    """
-    done = walk(roots, is_known)
-    return done.found, done.stopped
+def reaches(start: Node, goal: Node) -> bool:
+    """True when ``goal`` lies below ``start`` in the graph (``start`` itself included)."""
+    return start is goal or Walk([start]).advance(lambda node: node is goal) is not None
 
 
 def walk_bounded(

@@ -3,17 +3,14 @@
 ``bl.wrap(model)`` gives a :class:`Lens`; ``with lens.trace(x):`` runs its
 body in step with the model; ``with loss.backward():`` runs its body in step
 with the autograd engine, where ``h.grad`` is the gradient as it arrives.
-Importing this package patches ``Tensor.backward`` (a plain call keeps its
-stock behaviour) and adds ``Tensor.save``.
+Importing this package changes nothing in torch: the first ``bl.wrap()``
+installs ``Tensor.backward`` (a plain call keeps its stock behaviour) and
+``Tensor.save`` (see ``entry.py``).
 """
 
-from backlens.live.backward import install_backward
 from backlens.live.batching import Batcher
 from backlens.live.lens import Lens, wrap
-from backlens.live.save import install_tensor_save, save
+from backlens.live.save import save
 from backlens.live.tracer import Tracer
-
-install_backward()
-install_tensor_save()
 
 __all__ = ["Batcher", "Lens", "Tracer", "save", "wrap"]

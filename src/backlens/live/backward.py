@@ -1,13 +1,12 @@
 """``with t.backward(...):`` — a body that runs during the real backward.
 
-``Tensor.backward`` is patched once, at import of :mod:`backlens.live`. The
-patch asks the caller's source whether the call is the expression of a
-``with`` statement (:func:`~backlens.live.source.with_item_at`); then it
-returns a :class:`BackwardBlock`; otherwise it calls torch's own
-``Tensor.backward`` with the same arguments, so a plain ``t.backward()`` keeps
-its stock return, effect and errors. (Inside a trace a plain call also warns
-once that intermediate ``.grad`` stays ``None``, and a freed shared graph is
-explained in the trace's terms.)
+A ``t.backward(...)`` that is the expression of a ``with`` statement returns a
+:class:`BackwardBlock` (how the call reaches backlens, in a body or outside
+any trace, is ``entry.py``'s); a plain one runs torch's own
+``Tensor.backward`` with the same arguments, keeping its stock return, effect
+and errors (inside a trace it also warns once that intermediate ``.grad``
+stays ``None``, and a freed shared graph is explained in the trace's terms:
+:func:`bare_in_trace`).
 
 Inside a backward block, ``h.grad`` is the gradient flowing into ``h`` as it
 arrives: the first read registers a tensor hook on ``h`` (on the batched
@@ -16,14 +15,14 @@ for the engine to reach it; ``h.grad = g`` makes that hook return ``g``
 instead. The engine runs in the caller's thread, single-threaded for devices
 too, so its hooks switch to the body right there. The body's own ``x.grad``
 (as it is spelled in the block, its comprehensions and functions) is compiled
-to go through the running backward; ``Tensor`` itself is never patched, so
-``.grad`` read anywhere else keeps its stock meaning.
+to go through the running backward (``rewrite.py``, ``entry.py``);
+``Tensor.grad`` itself is never patched, so ``.grad`` read anywhere else keeps
+its stock meaning.
 """
 
 from __future__ import annotations
 
 import functools
-import operator
 import sys
 import types
 import warnings
@@ -41,15 +40,15 @@ from backlens.errors import (
     OutOfOrderError,
     TraceError,
 )
-from backlens.live import compiler
+from backlens.graph.freed import is_freed_graph
 from backlens.live import rows as rows_mod
 from backlens.live.compiler import CompiledBody, compile_body
 from backlens.live.context import Block, current_block, saved_names
-from backlens.live.freed import BackwardCall, freed_graph_error, is_freed_graph, recording_own
+from backlens.live.freed import BackwardCall, freed_graph_error, recording_own
 from backlens.live.gradpath import GraphIndex, reaches
-from backlens.live.mediator import Event, Mediator, StopRun, getcurrent
+from backlens.live.mediator import Event, Mediator, StopRun, answer_unserved, getcurrent
 from backlens.live.naming import Label, Site, describe
-from backlens.live.source import BlockSource, with_item_at
+from backlens.live.source import BlockSource
 from backlens.live.torchstate import CallerState, single_threaded_engine
 from backlens.live.withbody import WithBody, refusal
 
@@ -59,68 +58,7 @@ if TYPE_CHECKING:
 
 
 # ---------------------------------------------------------------------------
-# `.grad` as a backward block's body spells it (see compiler.GRAD_HELPERS)
-
-
-def _served(value: Any) -> BackwardRun | None:
-    """The backward run serving ``value``'s gradient: the running block's, for a tensor."""
-    if isinstance(value, torch.Tensor):
-        block = current_block()
-        if block is not None and block.kind == "backward":
-            return block.backward
-    return None
-
-
-def _grad_of(value: Any) -> Any:
-    run = _served(value)
-    if run is not None:
-        return run.read_grad(value, sys._getframe(1))
-    return value.grad
-
-
-def _set_grad_of(value: Any, grad: Any) -> None:
-    run = _served(value)
-    if run is not None:
-        run.write_grad(value, grad, sys._getframe(1))
-    else:
-        value.grad = grad
-
-
-_OPERATORS = {
-    "Add": "add", "Sub": "sub", "Mult": "mul", "MatMult": "matmul", "Div": "truediv",
-    "FloorDiv": "floordiv", "Mod": "mod", "Pow": "pow", "LShift": "lshift", "RShift": "rshift",
-    "BitOr": "or_", "BitXor": "xor", "BitAnd": "and_",
-}  # fmt: skip
-_IN_PLACE = {op: getattr(operator, "i" + name.rstrip("_")) for op, name in _OPERATORS.items()}
-_OUT_OF_PLACE = {op: getattr(operator, name) for op, name in _OPERATORS.items()}
-
-
-def _aug_grad_of(value: Any, op: str, operand: Any) -> None:
-    run = _served(value)
-    if run is None:
-        value.grad = _IN_PLACE[op](value.grad, operand)
-        return
-    # Out of place: the served gradient is autograd's own buffer (or a view of it).
-    frame = sys._getframe(1)
-    run.write_grad(value, _OUT_OF_PLACE[op](run.read_grad(value, frame), operand), frame)
-
-
-def _del_grad_of(value: Any) -> None:
-    del value.grad
-
-
-compiler.GRAD_HELPERS.update(
-    {
-        "__backlens_grad__": _grad_of,
-        "__backlens_set_grad__": _set_grad_of,
-        "__backlens_aug_grad__": _aug_grad_of,
-        "__backlens_del_grad__": _del_grad_of,
-    }
-)
-
-
-# ---------------------------------------------------------------------------
-# Tensor.backward
+# Running torch's backward (the entry points are in entry.py)
 
 
 def _find_stock() -> Any:
@@ -134,28 +72,7 @@ _stock_backward = _find_stock()
 _graph_task_id = _torch.graph_task_id_function()
 
 
-@functools.wraps(_stock_backward)
-def _backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):  # noqa: ANN001
-    frame = sys._getframe(1)
-    found = with_item_at(frame, "backward", BackwardBlock._what, need_source=False)
-    if found is not None:
-        return BackwardBlock._make(self, (gradient, retain_graph, create_graph, inputs), found, frame)
-    block = current_block()
-    if block is None or block.tracer is None:
-        return _stock_backward(self, gradient, retain_graph, create_graph, inputs)
-    return _bare_in_trace(self, block, frame, gradient, retain_graph, create_graph, inputs)
-
-
-_backward.__backlens_live__ = True  # type: ignore[attr-defined]
-
-
-def install_backward() -> None:
-    """Patch ``Tensor.backward`` (once per process)."""
-    if not getattr(torch.Tensor.backward, "__backlens_live__", False):
-        torch.Tensor.backward = _backward  # type: ignore[method-assign]
-
-
-def _bare_in_trace(tensor, block, frame, gradient, retain_graph, create_graph, inputs):  # noqa: ANN001
+def bare_in_trace(tensor, block, frame, gradient, retain_graph, create_graph, inputs):  # noqa: ANN001
     tracer = block.tracer
     if not tracer._warned_bare:
         tracer._warned_bare = True
@@ -245,6 +162,15 @@ class BackwardBlock(WithBody):
 
     def _cleanup(self) -> None:
         self._tensor = None  # type: ignore[assignment]
+
+
+def _is_request(pending: Any) -> bool:
+    return pending is not None
+
+
+def _stop_on_error(mediator: Mediator) -> None:
+    if mediator.error is not None:
+        raise StopRun()
 
 
 @dataclass(eq=False)
@@ -346,18 +272,10 @@ class BackwardRun:
 
     def _finish(self) -> None:
         """Tell a body still waiting that its gradient never came, and why."""
-        mediator = self.mediator
-        assert mediator is not None
-        attempts = 0
-        while not mediator.done and mediator.pending is not None:
-            attempts += 1
-            if attempts > 100:
-                mediator.cancel()
-                return
-            target = self._expect[mediator.pending]
-            mediator.fail(self._never_arrived(target))
-            if mediator.error is not None:
-                raise StopRun()
+        assert self.mediator is not None
+        answer_unserved(
+            self.mediator, _is_request, lambda pending: self._never_arrived(self._expect[pending]), _stop_on_error
+        )
 
     def _never_arrived(self, target: _Target) -> BaseException:
         if self.inputs is not None:
@@ -502,7 +420,21 @@ class BackwardRun:
         # Recorded before the body runs on: its next request is checked against it.
         self._served[key] = event
         self._last = self._expect[key]
+        version = grad._version
         mediator.serve(event)
         if mediator.error is not None:
             raise StopRun()
+        if grad._version != version:  # (also when replaced: the buffer may reach other paths)
+            raise self._changed_in_place(self._expect[key])
         return event.value if event.replaced else None
+
+    def _changed_in_place(self, target: _Target) -> TraceError:
+        return TraceError(
+            f"{target.label.grad} was changed in place by the backward block (an in-place operation "
+            "such as .mul_() or .zero_() on the gradient it served). That gradient is autograd's own "
+            "buffer, which it may also be handing to other paths of the graph, so the edit could reach "
+            "gradients it was not meant for; the backward was stopped.",
+            code="grad_changed_in_place",
+            remedy="Assign a new tensor instead (h.grad = h.grad * 2); item assignments "
+            "(h.grad[0] = 0, h.grad[0] *= 2) work too: they edit a copy.",
+        )

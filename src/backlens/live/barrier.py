@@ -25,7 +25,6 @@ from backlens.live.source import where
 
 if TYPE_CHECKING:
     from backlens.live.mediator import Mediator
-    from backlens.live.tracer import Tracer
 
 
 class Barrier:
@@ -33,7 +32,7 @@ class Barrier:
 
     __slots__ = ("n", "_tracer", "_where")
 
-    def __init__(self, tracer: Tracer, n: int, made_at: str):
+    def __init__(self, tracer: Any, n: int, made_at: str):  # tracer: the Tracer that made it
         self.n = n
         self._tracer = tracer
         self._where = made_at
@@ -65,7 +64,7 @@ class Barrier:
         return f"tracer.barrier({self.n}) made at {self._where}"
 
 
-def make_barrier(tracer: Tracer, n: Any, frame: types.FrameType) -> Barrier:
+def make_barrier(tracer: Any, n: Any, frame: types.FrameType) -> Barrier:
     made_at = where(frame.f_code.co_filename, frame.f_lineno)
     if type(n) is not int or n < 1:
         raise TraceError(

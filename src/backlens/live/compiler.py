@@ -17,11 +17,12 @@ back). What Python would do differently in place is restored here:
   have yet, are locals of the function (unbound until a barrier hands them
   over), where a plain function would look them up as globals.
 
-In a backward block's body, every ``x.grad`` the body spells (also in its
-comprehensions, lambdas and functions) reads, sets or deletes the gradient
-through the running backward (:data:`GRAD_HELPERS`), so torch's ``Tensor``
-class is never patched (a patch of the class slows every later attribute
-lookup on tensors, in every thread, until Python re-specialises them).
+Every ``X.backward(...)`` a body spells calls backlens directly, and in a
+backward block's body every form of ``X.grad`` (also in its comprehensions,
+lambdas and functions) goes through the running backward: the statements are
+rewritten before they are compiled (``rewrite.py``), so torch's ``Tensor``
+class is never patched for them (a patch of the class slows every later
+attribute lookup on tensors, in every thread, until Python re-specialises them).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from backlens.errors import TraceError
+from backlens.live import rewrite
 from backlens.live.source import BlockSource, ast_lock
 
 # Every name the generated wrapper adds starts with this prefix and ends in
@@ -43,14 +45,8 @@ _NS = _PREFIX + "ns__"
 _LOCALS = _PREFIX + "locals__"
 _FUNC = _PREFIX + "block__"
 _NO_FIRST = object()
-_GRAD = _PREFIX + "grad__"
-_SET_GRAD = _PREFIX + "set_grad__"
-_AUG_GRAD = _PREFIX + "aug_grad__"
-_DEL_GRAD = _PREFIX + "del_grad__"
-# Filled by the backward module: the functions a rewritten `.grad` calls.
-GRAD_HELPERS: dict[str, Any] = {}
 
-_codes: dict[tuple[Any, ...], tuple[BlockSource, types.CodeType, types.CodeType]] = {}
+_codes: dict[tuple[Any, ...], tuple[BlockSource, types.CodeType, types.CodeType, tuple[str, ...]]] = {}
 _checked: dict[tuple[str, int, int], int] = {}
 
 
@@ -159,7 +155,7 @@ def compile_body(block: BlockSource, frame: types.FrameType, what: str, grads: b
     """The block's body as a function over the caller's variables right now.
 
     ``grads``: the body is a backward block's, whose ``.grad`` go through
-    :data:`GRAD_HELPERS`.
+    the running backward (``rewrite.py``).
     """
     shape = _shape(block)
     caller_locals = frame.f_locals
@@ -179,20 +175,21 @@ def compile_body(block: BlockSource, frame: types.FrameType, what: str, grads: b
     unbound = tuple(name for name in shape.unbound if name not in namespace) if shape.unbound else ()
     class_cell = shape.uses_super and "__class__" in caller_locals
     code_key = frame.f_code
-    if grads:
-        namespace.update(GRAD_HELPERS)
     key = (id(block), tuple(present), unbound, first, class_cell, id(code_key), grads)
     hit = _codes.get(key)
     if hit is not None and hit[0] is block and hit[1] is code_key:
-        code = hit[2]
+        code, helpers = hit[2], hit[3]
     else:
         code_name = code_key.co_name
         qualname = getattr(code_key, "co_qualname", code_name)
         with ast_lock:
             code = _compile(block, tuple(present), unbound, first, class_cell, code_name, qualname, what, grads)
+        helpers = tuple(name for name in (*code.co_varnames, *code.co_cellvars) if name in rewrite.HELPERS)
         if len(_codes) > 4096:
             _codes.clear()
-        _codes[key] = (block, code_key, code)
+        _codes[key] = (block, code_key, code, helpers)
+    for name in helpers:  # what the rewritten statements call (rewrite.py)
+        namespace[name] = rewrite.HELPERS[name]
     closure = None
     if code.co_freevars:
         cell = types.CellType(caller_locals["__class__"]) if class_cell else types.CellType()
@@ -232,20 +229,20 @@ def _compile(
                 **where,
             )
         )
-    if grads:
-        for helper in (_GRAD, _SET_GRAD, _AUG_GRAD, _DEL_GRAD):
-            prologue.append(
-                ast.Assign(
-                    targets=[ast.Name(id=helper, ctx=ast.Store(), **where)],
-                    value=ast.Subscript(
-                        value=ast.Name(id=_NS, ctx=ast.Load(), **where),
-                        slice=ast.Constant(value=helper, **where),
-                        ctx=ast.Load(),
-                        **where,
-                    ),
+    body, helpers = rewrite.rewrite(_without_declarations(block.body), grads, block.filename, what)
+    for helper in helpers:
+        prologue.append(
+            ast.Assign(
+                targets=[ast.Name(id=helper, ctx=ast.Store(), **where)],
+                value=ast.Subscript(
+                    value=ast.Name(id=_NS, ctx=ast.Load(), **where),
+                    slice=ast.Constant(value=helper, **where),
+                    ctx=ast.Load(),
                     **where,
-                )
+                ),
+                **where,
             )
+        )
     if unbound:
         # Never runs; makes the names locals, so a barrier can bind them.
         prologue.append(
@@ -279,14 +276,8 @@ def _compile(
         template = ast.parse(header)
         func = template.body[0]
     assert isinstance(func, ast.FunctionDef)
-    body = _without_declarations(block.body)
-    if grads:
-        rewritten: list[ast.stmt] = []
-        for stmt in body:
-            done = _GradCalls().visit(copy.deepcopy(stmt))
-            rewritten.extend(done if isinstance(done, list) else [done])
-        body = rewritten
     func.body = [*prologue, *body, epilogue]
+    ast.fix_missing_locations(func)
     for node in ast.walk(template):
         if node is func or node in func.args.args or node is func.args or node in template.body:
             node.lineno, node.col_offset = line, 0  # type: ignore[attr-defined]
@@ -356,63 +347,3 @@ class _Strip(ast.NodeTransformer):
 
 def _strip(stmt: ast.stmt) -> ast.stmt:
     return _Strip().visit(stmt)
-
-
-class _GradCalls(ast.NodeTransformer):
-    """``x.grad`` -> ``__backlens_grad__(x)``; assignments, ``+=`` and ``del`` likewise."""
-
-    @staticmethod
-    def _is_grad(node: ast.AST) -> bool:
-        return isinstance(node, ast.Attribute) and node.attr == "grad"
-
-    @staticmethod
-    def _call(name: str, args: list[ast.expr], like: ast.AST) -> ast.Call:
-        call = ast.Call(func=ast.Name(id=name, ctx=ast.Load()), args=args, keywords=[])
-        return ast.fix_missing_locations(ast.copy_location(call, like))  # type: ignore[no-any-return]
-
-    def visit_Attribute(self, node: ast.Attribute) -> ast.AST:
-        self.generic_visit(node)
-        if node.attr == "grad" and isinstance(node.ctx, ast.Load):
-            return self._call(_GRAD, [node.value], node)
-        return node
-
-    def visit_Assign(self, node: ast.Assign) -> ast.AST | list[ast.stmt]:
-        if not any(self._is_grad(target) for target in node.targets):
-            return self.generic_visit(node)
-        value = self.visit(node.value)
-        if len(node.targets) == 1:
-            target = node.targets[0]
-            return ast.copy_location(ast.Expr(self._call(_SET_GRAD, [self.visit(target.value), value], node)), node)  # type: ignore[attr-defined]
-        temp = ast.Name(id=_PREFIX + "value__", ctx=ast.Store())
-        out: list[ast.stmt] = [ast.copy_location(ast.Assign(targets=[temp], value=value), node)]
-        for target in node.targets:
-            load = ast.Name(id=temp.id, ctx=ast.Load())
-            if self._is_grad(target):
-                out.append(ast.Expr(self._call(_SET_GRAD, [self.visit(target.value), load], node)))  # type: ignore[attr-defined]
-            else:
-                out.append(ast.Assign(targets=[self.visit(target)], value=load))
-        return [ast.fix_missing_locations(ast.copy_location(stmt, node)) for stmt in out]
-
-    def visit_AugAssign(self, node: ast.AugAssign) -> ast.AST:
-        if not self._is_grad(node.target):
-            return self.generic_visit(node)
-        op = ast.Constant(value=type(node.op).__name__)
-        args = [self.visit(node.target.value), op, self.visit(node.value)]  # type: ignore[attr-defined]
-        return ast.copy_location(ast.Expr(self._call(_AUG_GRAD, args, node)), node)
-
-    def visit_AnnAssign(self, node: ast.AnnAssign) -> ast.AST:
-        if not self._is_grad(node.target) or node.value is None:
-            return self.generic_visit(node)
-        args = [self.visit(node.target.value), self.visit(node.value)]  # type: ignore[attr-defined]
-        return ast.copy_location(ast.Expr(self._call(_SET_GRAD, args, node)), node)
-
-    def visit_Delete(self, node: ast.Delete) -> ast.AST | list[ast.stmt]:
-        if not any(self._is_grad(target) for target in node.targets):
-            return self.generic_visit(node)
-        out: list[ast.stmt] = []
-        for target in node.targets:
-            if self._is_grad(target):
-                out.append(ast.Expr(self._call(_DEL_GRAD, [self.visit(target.value)], node)))  # type: ignore[attr-defined]
-            else:
-                out.append(ast.Delete(targets=[self.visit(target)]))
-        return [ast.fix_missing_locations(ast.copy_location(stmt, node)) for stmt in out]

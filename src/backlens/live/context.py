@@ -12,13 +12,7 @@ from __future__ import annotations
 import contextvars
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from backlens.live.backward import BackwardRun
-    from backlens.live.forward import ForwardRun, Invoke
-    from backlens.live.mediator import Mediator
-    from backlens.live.tracer import Tracer
+from typing import Any
 
 _current: contextvars.ContextVar[Block | None] = contextvars.ContextVar("backlens_live_block", default=None)
 
@@ -38,17 +32,17 @@ class Block:
     def __init__(
         self,
         kind: str,
-        tracer: Tracer | None = None,
-        forward: ForwardRun | None = None,
-        invoke: Invoke | None = None,
-        backward: BackwardRun | None = None,
+        tracer: Any = None,  # the Tracer (tracer.py)
+        forward: Any = None,  # the ForwardRun serving an invoke body (forward.py)
+        invoke: Any = None,  # its Invoke
+        backward: Any = None,  # the BackwardRun of a backward body (backward.py)
     ):
         self.kind = kind
         self.tracer = tracer
         self.forward = forward
         self.invoke = invoke
         self.backward = backward
-        self.mediator: Mediator | None = None
+        self.mediator: Any = None  # the Mediator running this body (mediator.py)
         self.saved: dict[int, Any] = {}
 
     def keep(self, value: Any) -> None:

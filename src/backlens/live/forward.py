@@ -1,41 +1,36 @@
 """Driving the forward: one batched model call, invoke bodies served from hooks.
 
 A :class:`ForwardRun` combines its invokes' inputs into one batch, starts one
-mediator per invoke, and calls the model once, in the caller's thread. A
-module forward hook (one for the process while any trace runs, acting only
-for the coroutine that drives this run: every module call must take torch's
-hooked path, or a module already running when its output is requested would
-never report it), plus a pre-hook on each module whose inputs were asked
-for, hands each value a body waits for to it, cut to that invoke's rows, and
-writes back the rows the body replaced. Bodies meet at barriers here too.
+mediator per invoke, and calls the model once, in the caller's thread. The
+run subscribes to module calls (``backlens._module_calls``, for the whole
+run, so a module already running when its output is requested still reports
+it; acting only for the coroutine that drives the run) and hands each value
+a body waits for (a module's inputs before it runs, its output after) to it,
+cut to that invoke's rows, and writes back the rows the body replaced. Bodies meet at barriers here too.
 When the model returns, any body still waiting is told, in module terms, what
 it waited for and why it never came.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.module import register_module_forward_hook
 
+from backlens import _module_calls as module_calls
 from backlens.errors import TraceError
 from backlens.live import rows as rows_mod
 from backlens.live.barrier import Barrier, BarrierWait, unfilled_error
 from backlens.live.compiler import CompiledBody
 from backlens.live.context import Block, saved_names
-from backlens.live.mediator import Event, Mediator, StopRun, getcurrent
+from backlens.live.mediator import Event, Mediator, StopRun, answer_unserved, getcurrent
 from backlens.live.naming import INPUT, OUTPUT, Site, site_name, spelled_path
 from backlens.live.skip import write_locals
 from backlens.live.torchstate import CallerState
-
-if TYPE_CHECKING:
-    from backlens.live.tracer import Tracer
 
 
 @dataclass(eq=False)
@@ -51,47 +46,10 @@ class Invoke:
     updates: dict[str, Any] = field(default_factory=dict)
 
 
-# -- one process-wide module hook, dispatching to the run its caller drives ----
-
-_runs: dict[Any, list[ForwardRun]] = {}
-_runs_lock = threading.Lock()
-_hook_handle: Any = None
-
-
-def _on_module_output(module: nn.Module, args: Any, output: Any) -> Any:
-    runs = _runs.get(getcurrent())
-    if runs is None:  # another thread, or a body calling a module itself
-        return None
-    return runs[-1].on_output(module, output)
-
-
-def _drive(run: ForwardRun) -> None:
-    global _hook_handle
-    with _runs_lock:
-        if _hook_handle is None:
-            # One hook instead of one per module: registering a handle per
-            # module costs more than a small model's whole forward.
-            _hook_handle = register_module_forward_hook(_on_module_output)
-        _runs.setdefault(run.driver, []).append(run)
-
-
-def _stop_driving(run: ForwardRun) -> None:
-    global _hook_handle
-    with _runs_lock:
-        runs = _runs.get(run.driver)
-        if runs and run in runs:
-            runs.remove(run)
-            if not runs:
-                del _runs[run.driver]
-        if not _runs and _hook_handle is not None:
-            _hook_handle.remove()
-            _hook_handle = None
-
-
 class ForwardRun:
     """One model call serving every invoke of a trace."""
 
-    def __init__(self, tracer: Tracer, invokes: list[Invoke], state: CallerState):
+    def __init__(self, tracer: Any, invokes: list[Invoke], state: CallerState):  # tracer: the Tracer it runs for
         self.tracer = tracer
         self.invokes = invokes
         self.state = state
@@ -100,12 +58,11 @@ class ForwardRun:
         self.driver: Any = None
         self.mediators: list[Mediator] = []
         self._waiting: dict[tuple[str, nn.Module], list[Mediator]] = {}
-        self._ran: dict[nn.Module, int] = {}
+        self._ran: set[nn.Module] = set()  # modules whose call returned
         self._addresses: dict[nn.Module, str] = {}
         self._params: dict[int, str] | None = None
         self._sites: dict[int, Site] = {}
-        self._handles: list[Any] = []
-        self._pre_hooked: set[nn.Module] = set()
+        self._inputs_wanted: set[nn.Module] = set()
         self._arrived: dict[Barrier, list[Mediator]] = {}
         self._injected: dict[Mediator, dict[str, Any]] = {}  # what barriers handed each body
 
@@ -117,9 +74,8 @@ class ForwardRun:
         if event is not None and event.key == key:
             return event
         self._addresses[module] = address
-        if kind == INPUT and module not in self._pre_hooked:
-            self._pre_hooked.add(module)
-            self._handles.append(module.register_forward_pre_hook(self._on_input, with_kwargs=True))
+        if kind == INPUT:
+            self._inputs_wanted.add(module)
         self._waiting.setdefault(key, []).append(mediator)
         return mediator.request(key)
 
@@ -160,8 +116,9 @@ class ForwardRun:
         error: BaseException | None = None
         failed: BaseException | None = None
         output = None
+        subscription = None
         try:
-            _drive(self)
+            subscription = module_calls.subscribe(self)
             with store.hooks() if store is not None else nullcontext():
                 for mediator in self.mediators:
                     mediator.start()
@@ -178,10 +135,9 @@ class ForwardRun:
         except BaseException as exc:  # the model (or an interrupt) failed: stop every body
             error = exc
         finally:
-            _stop_driving(self)
-            for handle in self._handles:
-                handle.remove()
-            self._handles.clear()
+            if subscription is not None:
+                subscription.cancel()
+            self._inputs_wanted.clear()
             failed = next((m.error for m in self.mediators if m.error is not None), None)
             for mediator in self.mediators:
                 mediator.cancel()
@@ -234,28 +190,21 @@ class ForwardRun:
     def _finish(self) -> None:
         """Tell every body still waiting that its value never came, and why."""
         for mediator in self.mediators:
-            attempts = 0
-            while not mediator.done and isinstance(mediator.pending, tuple):
-                attempts += 1
-                if attempts > 100:  # a body that keeps catching and asking again
-                    mediator.cancel()
-                    break
-                kind, module = mediator.pending
-                waiters = self._waiting.get(mediator.pending)
-                if waiters and mediator in waiters:
-                    waiters.remove(mediator)
-                mediator.fail(self._unserved(mediator, module, kind))
-                self._after(mediator)
+            answer_unserved(mediator, _is_module_request, lambda pending, m=mediator: self._unserved(m, pending), self._after)
         while self._arrived:
             self._unfilled(next(iter(self._arrived)))
 
-    def _unserved(self, mediator: Mediator, module: nn.Module, kind: str) -> TraceError:
+    def _unserved(self, mediator: Mediator, key: tuple[str, nn.Module]) -> TraceError:
+        kind, module = key
+        waiters = self._waiting.get(key)
+        if waiters and mediator in waiters:
+            waiters.remove(mediator)
         address = self.address(module)
         site = site_name(address, kind)
         who = address or f"the model ({type(self.model).__name__})"
         invoke = mediator.block.invoke
         label = f"{site} (invoke {invoke.index})" if invoke is not None else site
-        if self._ran.get(module):
+        if module in self._ran:
             return TraceError(
                 f"{label} was requested after {who} had already run: values are served while "
                 "the model runs, in the order its modules run, so a module's value must be "
@@ -353,16 +302,25 @@ class ForwardRun:
             return f"waits for {self.site_name(pending)}"
         return "has not run yet"
 
-    # -- hooks (the driver's coroutine) -----------------------------------------
-    def on_output(self, module: nn.Module, output: Any) -> Any:
-        self._ran[module] = self._ran.get(module, 0) + 1
-        if module is self.model:  # served when the model call returns (see execute)
+    # -- module calls (the driver's coroutine; see backlens._module_calls) ----------
+    def module_called(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if getcurrent() is not self.driver:  # another coroutine: a body calling a module itself
             return None
+        if module in self._inputs_wanted:
+            return self._on_input(module, args, kwargs)
+        return True
+
+    def module_raised(self, module: nn.Module, token: Any) -> None:
+        return None
+
+    def module_returned(self, module: nn.Module, token: Any, output: Any) -> Any:
+        self._ran.add(module)
+        if module is self.model:  # served when the model call returns (see execute)
+            return output
         key = (OUTPUT, module)
         if key not in self._waiting:
-            return None
-        value = self._serve_all(key, output)
-        return value if value is not output else None
+            return output
+        return self._serve_all(key, output)
 
     def _serve_all(self, key: tuple[str, nn.Module], value: Any) -> Any:
         """Serve ``value`` to every body waiting for ``key``; the value as they left it."""
@@ -372,19 +330,17 @@ class ForwardRun:
             waiters = self._waiting.pop(key, None)
         return value
 
-    def _on_input(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
-        if getcurrent() is not self.driver:  # another thread, or a body calling the module
-            return None
+    def _on_input(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         key = (INPUT, module)
         waiters = self._waiting.pop(key, None)
         if not waiters:
-            return None
+            return True
         value, changed = (args, kwargs), False
         while waiters:
             value, served_changed = self._serve(key, value, waiters)
             changed = changed or served_changed
             waiters = self._waiting.pop(key, None)
-        return value if changed else None
+        return module_calls.NewInputs(value[0], value[1], True) if changed else True
 
     def _serve(self, key: tuple[str, nn.Module], value: Any, waiters: list[Mediator]) -> tuple[Any, bool]:
         changed = False
@@ -424,6 +380,10 @@ class ForwardRun:
 
 
 _UNSET = object()
+
+
+def _is_module_request(pending: Any) -> bool:
+    return isinstance(pending, tuple)
 
 
 def _invoke_index(mediator: Mediator) -> int:

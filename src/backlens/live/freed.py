@@ -7,7 +7,8 @@ nothing about invokes or about which earlier call freed it;
 :func:`freed_graph_error` says it in those terms, naming the earlier call
 (a ``.backward()`` of a block, or a ``torch.autograd.grad`` a body made: the
 engine wrapper tells a running trace of every run). No other error is
-reworded: the match is on torch's exact opening words.
+reworded: torch's error is recognised by the one detector both faces use
+(``graph/freed.py``).
 
 ``keep_graph=True`` keeps the graph alive for every backward in the trace and
 frees it at exit. Retaining is ``retain_graph=True`` on each backward;
@@ -20,20 +21,17 @@ from __future__ import annotations
 
 import contextvars
 import threading
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from typing import Any, NamedTuple
 
 import torch
 
 from backlens._fence import complete
 from backlens._frames import user_frame
-from backlens.errors import BacklensError, FreedGraphError
+from backlens.errors import FreedGraphError
 from backlens.graph import engine
 from backlens.live.context import current_block
 from backlens.live.source import where
-
-TORCH_FREED_TEXT = "Trying to backward through the graph a second time"
 
 
 class BackwardCall(NamedTuple):
@@ -55,15 +53,6 @@ class BackwardCall(NamedTuple):
         if self.invoke is not None and not self.single:
             return f"invoke {self.invoke}'s {self.call}"
         return self.call if self.single else f"the trace's {self.call}"
-
-
-def is_freed_graph(exc: BaseException) -> bool:
-    """True only for torch's own freed-graph error (never one of ours, never anything else)."""
-    return (
-        isinstance(exc, RuntimeError)
-        and not isinstance(exc, BacklensError)
-        and str(exc).startswith(TORCH_FREED_TEXT)
-    )
 
 
 def freed_graph_error(exc: RuntimeError, failing: BackwardCall, earlier: list[BackwardCall]) -> FreedGraphError:
@@ -125,18 +114,39 @@ def _on_engine_run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     tracer._backwards.append(BackwardCall(invoke, retain, frame.f_code.co_filename, frame.f_lineno, call, tracer._single))
 
 
-@contextmanager
-def engine_watched() -> Iterator[None]:
+def engine_watched() -> _EngineWatch:
     """Have the engine wrapper tell the traces running now of the runs their bodies start (to
     name who freed a graph): observed while any trace runs, so that outside traces torch's
     engine entry point is its own again. A Ctrl-C cannot leave the observer behind."""
-    token = object()
-    try:
-        _watching.add(token)
+    return _EngineWatch()
+
+
+class _EngineWatch:
+    """One trace's share of the engine observer (a plain class: entered once per trace)."""
+
+    __slots__ = ("_token",)
+
+    def __init__(self) -> None:
+        self._token = object()
+
+    def __enter__(self) -> None:
+        try:
+            _watching.add(self._token)
+            _sync_watch()
+        except BaseException:
+            complete(self._leave)
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self._leave()
+        except KeyboardInterrupt:
+            complete(self._leave)
+            raise
+
+    def _leave(self) -> None:
+        _watching.discard(self._token)
         _sync_watch()
-        yield
-    finally:
-        complete(lambda: (_watching.discard(token), _sync_watch()))
 
 
 def _sync_watch() -> None:

@@ -3,10 +3,10 @@
 A backward block asks the running engine whether it will run a requested
 tensor's node (``_torch.engine_will_run``), which needs no walk. Where the
 engine cannot answer (a leaf's gradient, ``inputs=``, a torch without the
-query), :class:`GraphIndex` walks ``next_functions`` from the tensor being
-backpropagated, built on the first such request. Node wrappers are only
-stable while referenced, so the index holds every node it saw for its own
-lifetime (one backward block).
+query), :class:`GraphIndex` walks the graph from the tensor being
+backpropagated (with the one walker, ``graph/discovery.py``), built on the
+first such request. Node wrappers are only stable while referenced, so the
+index holds every node it saw for its own lifetime (one backward block).
 """
 
 from __future__ import annotations
@@ -16,10 +16,12 @@ from typing import Any
 import torch
 
 from backlens import _torch
+from backlens.graph.discovery import Walk
+from backlens.graph.discovery import reaches as graph_reaches
 
 
 class GraphIndex:
-    """The nodes reachable from some roots, found lazily.
+    """The nodes reachable from some roots, found lazily (one :class:`~backlens.graph.discovery.Walk`).
 
     The walk from the roots stops as soon as the node asked about is found
     and resumes from where it stopped for the next question, so a block that
@@ -28,51 +30,41 @@ class GraphIndex:
     """
 
     def __init__(self, roots: list[Any]):
-        self._nodes: dict[int, Any] = {}
+        self._walk = Walk(roots)
         self._leaves: dict[int, Any] | None = None
-        self._stack: list[Any] = []
-        for node in roots:
-            if node is not None and id(node) not in self._nodes:
-                self._nodes[id(node)] = node
-                self._stack.append(node)
-
-    def _expand(self, goal: Any | None, leaf_key: int | None) -> Any | None:
-        """Walk on until ``goal`` (a node) or the node of the leaf ``leaf_key`` is found."""
-        nodes, stack = self._nodes, self._stack
-        leaves = self._leaves
-        while stack:
-            for child, _ in stack.pop().next_functions:
-                if child is None or id(child) in nodes:
-                    continue
-                nodes[id(child)] = child
-                stack.append(child)
-                if child is goal:
-                    return child
-                if leaves is not None and self._note_leaf(child) == leaf_key and leaf_key is not None:
-                    return child
-        return None
 
     def _note_leaf(self, node: Any) -> int | None:
-        if _torch.is_accumulate_grad(node):
+        if self._leaves is not None and _torch.is_accumulate_grad(node):
             variable = _torch.accumulate_grad_variable(node)
             if variable is not None:
-                self._leaves[id(variable)] = node  # type: ignore[index]
+                self._leaves[id(variable)] = node
                 return id(variable)
         return None
 
     def node_of(self, tensor: torch.Tensor) -> Any | None:
         """The node whose firing delivers ``tensor``'s gradient, if the roots reach it."""
+        walk = self._walk
         grad_fn = tensor.grad_fn
         if grad_fn is not None:
-            if self._nodes.get(id(grad_fn)) is grad_fn:
+            if walk.knows(grad_fn):
                 return grad_fn
-            return self._expand(grad_fn, None)
+            return walk.advance(self._until(grad_fn, None))
         if self._leaves is None:
             self._leaves = {}
-            for node in list(self._nodes.values()):
+            for node in list(walk.met.values()):
                 self._note_leaf(node)
         found = self._leaves.get(id(tensor))
-        return found if found is not None else self._expand(None, id(tensor))
+        return found if found is not None else walk.advance(self._until(None, id(tensor)))
+
+    def _until(self, goal: Any, leaf: int | None) -> Any:
+        """What the walk looks for: ``goal`` or the node of the leaf with id ``leaf`` (noting
+        every leaf it meets once leaves are asked about)."""
+
+        def found(node: Any) -> bool:
+            key = self._note_leaf(node)
+            return node is goal or (leaf is not None and key == leaf)
+
+        return found
 
 
 def reaches(start: Any, goal: Any) -> bool:
@@ -88,15 +80,4 @@ def reaches(start: Any, goal: Any) -> bool:
         first, second = _torch.node_sequence_nr(start), _torch.node_sequence_nr(goal)
         if first is not None and second is not None and first < second:
             return False
-    seen: dict[int, Any] = {id(start): start}
-    stack = [start]
-    while stack:
-        node = stack.pop()
-        for child, _ in node.next_functions:
-            if child is None or id(child) in seen:
-                continue
-            if child is goal:
-                return True
-            seen[id(child)] = child
-            stack.append(child)
-    return False
+    return graph_reaches(start, goal)

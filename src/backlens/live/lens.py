@@ -23,6 +23,7 @@ from torch import nn
 from backlens import _args, _torch
 from backlens.derive.frameworks import refuse_other_framework
 from backlens.errors import BacklensError, TraceError, UnsupportedInputError
+from backlens.live import entry
 from backlens.live.batching import Batcher, ConcatBatcher
 from backlens.live.context import current_block
 from backlens.live.mediator import Event
@@ -45,13 +46,15 @@ class Lens:
     ``_lens_spelled`` the way the user reached it (``transformer.h[1]``).
     """
 
-    __slots__ = ("_lens_module", "_lens_root", "_lens_address", "_lens_spelled")
+    __slots__ = ("_lens_module", "_lens_root", "_lens_address", "_lens_spelled", "_lens_children")
 
     def __init__(self, module: nn.Module, root: _Root, address: str = "", spelled: str | None = None):
         object.__setattr__(self, "_lens_module", module)
         object.__setattr__(self, "_lens_root", root)
         object.__setattr__(self, "_lens_address", address)
         object.__setattr__(self, "_lens_spelled", address if spelled is None else spelled)
+        # Children as reached before (a body reaches the same ones at every trace).
+        object.__setattr__(self, "_lens_children", {})
 
     # -- tracing -------------------------------------------------------------
     def trace(self, *args: Any, keep_graph: bool = False, **kwargs: Any) -> Any:
@@ -171,10 +174,15 @@ class Lens:
     # -- the module tree -----------------------------------------------------
     def _child(self, module: nn.Module, name: str, step: str | None = None) -> Lens:
         """The lens of a child, reached by ``.name`` (or by ``step``, an index as typed: ``[1]``)."""
+        children = self._lens_children
+        known = children.get((name, step))
+        if known is not None and known._lens_module is module:  # (a replaced submodule gets a new lens)
+            return known
         address = f"{self._lens_address}.{name}" if self._lens_address else name
-        if step is None:
-            step = f".{name}" if self._lens_spelled else name
-        return Lens(module, self._lens_root, address, self._lens_spelled + step)
+        spelled = step if step is not None else (f".{name}" if self._lens_spelled else name)
+        child = Lens(module, self._lens_root, address, self._lens_spelled + spelled)
+        children[(name, step)] = child
+        return child
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") and name.endswith("__"):
@@ -251,7 +259,11 @@ class Lens:
 
 
 def wrap(model: nn.Module, batcher: Batcher | None = None) -> Lens:
-    """A :class:`Lens` over ``model``; ``batcher`` combines invokes (default: concat on dim 0)."""
+    """A :class:`Lens` over ``model``; ``batcher`` combines invokes (default: concat on dim 0).
+
+    The first call in a process installs ``Tensor.backward`` (``with t.backward():``
+    on any tensor) and ``Tensor.save``; importing backlens installs nothing.
+    """
     if not isinstance(model, nn.Module):
         refuse_other_framework(model, (), {}, "bl.wrap")
         raise UnsupportedInputError(
@@ -261,6 +273,7 @@ def wrap(model: nn.Module, batcher: Batcher | None = None) -> Lens:
         )
     if batcher is not None:
         _args.batcher(batcher, "bl.wrap")
+    entry.install()
     model = original_module(model)
     return Lens(model, _Root(model, batcher if batcher is not None else ConcatBatcher()))
 

@@ -244,3 +244,26 @@ class Mediator:
 
 # Frames at the head of a body's traceback that are only the coroutine's plumbing.
 _PLUMBING = {Mediator._main.__code__, CompiledBody.run.__code__, _worker_loop.__code__}
+
+
+_MAX_UNSERVED = 100  # a body that keeps catching the error and asking again is unwound after this
+
+
+def answer_unserved(
+    mediator: Mediator,
+    waits: Callable[[Any], bool],
+    why: Callable[[Any], BaseException],
+    after: Callable[[Mediator], None],
+) -> None:
+    """When the driver is done: raise in a body still waiting (``waits(pending)``) the error
+    saying why its value never came (``why(pending)``), again each time it catches it and
+    asks once more; ``after(mediator)`` runs after each (the forward's barrier bookkeeping,
+    or stopping the run on a body's error)."""
+    attempts = 0
+    while not mediator.done and waits(mediator.pending):
+        attempts += 1
+        if attempts > _MAX_UNSERVED:
+            mediator.cancel()
+            return
+        mediator.fail(why(mediator.pending))
+        after(mediator)

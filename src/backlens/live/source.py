@@ -15,13 +15,14 @@ same trace bind (handed over at a barrier).
 from __future__ import annotations
 
 import ast
+import dis
 import linecache
 import os
 import sys
 import threading
 import types
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from backlens.errors import TraceError
 
@@ -87,9 +88,40 @@ class _FileIndex:
     tree: ast.Module
 
 
-_files: dict[str, _FileIndex] = {}
-_blocks: dict[tuple[str, int, int], BlockSource] = {}
-_declarations: dict[int, tuple[ast.AST, frozenset[str], frozenset[str]]] = {}
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class Bounded(Generic[K, V]):
+    """A dict that forgets its oldest entries beyond ``size`` (one per notebook cell, file or
+    code object would otherwise grow without bound). A hit is a plain dict lookup: these are
+    read on every trace, and an entry forgotten is only worked out again."""
+
+    __slots__ = ("_items", "_size", "_lock")
+
+    def __init__(self, size: int):
+        self._items: dict[K, V] = {}
+        self._size = size
+        self._lock = threading.Lock()  # traces in several threads share the caches
+
+    def get(self, key: K) -> V | None:
+        return self._items.get(key)
+
+    def put(self, key: K, value: V) -> None:
+        with self._lock:
+            items = self._items
+            items.pop(key, None)  # re-entered as the newest
+            items[key] = value
+            while len(items) > self._size:
+                del items[next(iter(items))]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+_files: Bounded[str, _FileIndex] = Bounded(32)  # each holds a whole file's syntax tree
+_blocks: Bounded[tuple[str, int, int], BlockSource] = Bounded(1024)
+_declarations: Bounded[int, tuple[ast.AST, frozenset[str], frozenset[str]]] = Bounded(1024)
 _command: list[str] | None = None
 # CPython (3.11-3.12) keeps the AST converter's recursion depth per interpreter,
 # not per thread: parsing or compiling ASTs in two threads at once can fail
@@ -152,9 +184,7 @@ def _index(filename: str, lines: list[str], what: str) -> _FileIndex:
         ) from exc
     index = _FileIndex(lines, {}, {}, {}, {}, tree)
     _scan(tree, index, None, None, None)
-    _files[filename] = index
-    if len(_blocks) > 4096:
-        _blocks.clear()
+    _files.put(filename, index)
     return index
 
 
@@ -184,8 +214,50 @@ def _scan(node: ast.AST, index: _FileIndex, function: ast.AST | None, class_name
 # Finding the block
 
 
-_call_sites: dict[tuple[int, int, str], tuple[types.CodeType, BlockSource | TraceError | None]] = {}
-_positions: dict[int, tuple[types.CodeType, list[Any]]] = {}
+_call_sites: Bounded[tuple[int, int, str], tuple[types.CodeType, BlockSource | TraceError | None]] = Bounded(4096)
+_positions: Bounded[int, tuple[types.CodeType, list[Any]]] = Bounded(256)
+_entering: Bounded[int, tuple[types.CodeType, frozenset[int] | None]] = Bounded(1024)
+
+# What follows a call whose result a `with` statement enters.
+_ENTER_WITH = frozenset(
+    name for name in ("BEFORE_WITH", "SETUP_WITH", "BEFORE_ASYNC_WITH", "SETUP_ASYNC_WITH") if name in dis.opmap
+)
+_ENTER_BY_SPECIAL = "LOAD_SPECIAL" in dis.opmap  # 3.14: COPY 1, LOAD_SPECIAL __exit__, ...
+
+
+def may_enter_with(frame: types.FrameType) -> bool:
+    """False when the call ``frame`` is making is surely not the expression of a ``with``.
+
+    A cheap filter in front of :func:`with_item_at` for calls that are nearly
+    never ``with`` items (a plain ``loss.backward()``): the instruction after
+    the call is not one that enters a context manager. Only ever a "no": what
+    the source says decides the rest. A Python whose ``with`` it does not know
+    gets "maybe" for every call. Cached per code object.
+    """
+    code = frame.f_code
+    hit = _entering.get(id(code))
+    if hit is None or hit[0] is not code:
+        hit = (code, _with_item_calls(code))
+        _entering.put(id(code), hit)
+    offsets = hit[1]
+    return offsets is None or frame.f_lasti in offsets
+
+
+def _with_item_calls(code: types.CodeType) -> frozenset[int] | None:
+    """Offsets of the instructions whose result the next instructions enter as a context manager."""
+    if not _ENTER_WITH and not _ENTER_BY_SPECIAL:
+        return None
+    found: list[int] = []
+    instructions = list(dis.get_instructions(code))
+    for i in range(len(instructions) - 1):
+        after = instructions[i + 1]
+        if after.opname in _ENTER_WITH or (
+            _ENTER_BY_SPECIAL and after.opname == "COPY" and i + 2 < len(instructions)
+            and instructions[i + 2].opname == "LOAD_SPECIAL"
+        ):
+            # While the call runs, ``f_lasti`` may point at any of its inline cache entries.
+            found.extend(range(instructions[i].offset, after.offset, 2))
+    return frozenset(found)
 
 
 def with_item_at(frame: types.FrameType, attr: str, what: str, need_source: bool) -> BlockSource | TraceError | None:
@@ -209,11 +281,8 @@ def with_item_at(frame: types.FrameType, attr: str, what: str, need_source: bool
         found: BlockSource | TraceError | None = _find_item(frame, attr, what, need_source)
     except TraceError as error:
         found = error
-    if len(_call_sites) > 10_000:
-        _call_sites.clear()
-        _positions.clear()
     if not isinstance(found, TraceError):  # an error may be mended (a cell re-registered): look again
-        _call_sites[key] = (code, found)
+        _call_sites.put(key, (code, found))
     return found
 
 
@@ -262,7 +331,7 @@ def _call_span(frame: types.FrameType) -> tuple[Any, ...] | None:
     cached = _positions.get(id(code))
     if cached is None or cached[0] is not code:
         cached = (code, list(code.co_positions()))
-        _positions[id(code)] = cached
+        _positions.put(id(code), cached)
     positions = cached[1]
     i = frame.f_lasti // 2
     return positions[i] if 0 <= i < len(positions) else None
@@ -300,7 +369,7 @@ def _block(node: ast.With, index: _FileIndex, filename: str, what: str) -> Block
     if cached is not None and cached.body and cached.body[0] is node.body[0]:
         return cached
     block = _describe(node, index, filename, what)
-    _blocks[key] = block
+    _blocks.put(key, block)
     return block
 
 
@@ -383,7 +452,7 @@ def _declared(function: ast.AST | None, tree: ast.Module) -> tuple[ast.AST, froz
             found_nonlocal.update(sub.names)
         stack.extend(ast.iter_child_nodes(sub))
     result = (scope, frozenset(found_global), frozenset(found_nonlocal))
-    _declarations[id(scope)] = result
+    _declarations.put(id(scope), result)
     return result
 
 

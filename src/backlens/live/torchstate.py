@@ -26,8 +26,10 @@ _inference_enabled = torch.is_inference_mode_enabled
 _any_autocast = _torch.any_autocast_enabled_function()
 
 
+@functools.cache
 def _autocast_devices() -> tuple[str, ...]:
-    """Devices whose autocast state a caller may have on (checked once: each check costs)."""
+    """Devices whose autocast state a caller may have on (checked once, when first needed:
+    each check costs, and importing backlens probes no backend)."""
     devices = ["cpu"]
     for name in ("cuda", "xpu", "mps", "hpu"):
         module = getattr(torch, name, None)
@@ -39,15 +41,13 @@ def _autocast_devices() -> tuple[str, ...]:
     return tuple(devices)
 
 
-_AUTOCAST_DEVICES = _autocast_devices()
-
 Autocast = tuple[tuple[str, bool, Any], ...]
 _NO_AUTOCAST: Autocast = ()
 
 
 def _autocast_details() -> Autocast:
     found = []
-    for device in _AUTOCAST_DEVICES:
+    for device in _autocast_devices():
         try:
             found.append((device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)))
         except (RuntimeError, TypeError, AttributeError):

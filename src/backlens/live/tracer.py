@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 import types
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 
@@ -27,16 +27,14 @@ from backlens.live.source import with_item_at
 from backlens.live.torchstate import CallerState
 from backlens.live.withbody import WithBody, refusal
 
-if TYPE_CHECKING:
-    from backlens.live.lens import Lens
-
 
 class Tracer(WithBody):
     """A trace of one forward call; the object ``with lens.trace(...) as tracer`` binds."""
 
     _what = "lens.trace()"
 
-    def __init__(self, lens: Lens, args: tuple[Any, ...], kwargs: dict[str, Any], keep_graph: bool = False):
+    def __init__(self, lens: Any, args: tuple[Any, ...], kwargs: dict[str, Any], keep_graph: bool = False):
+        # lens: the Lens of the wrapped model (lens.py, which makes tracers)
         self._lens = lens
         self._inputs = (args, kwargs)
         self._has_inputs = bool(args or kwargs)

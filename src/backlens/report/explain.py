@@ -21,10 +21,10 @@ from backlens.errors import (
     SavedTensorModifiedError,
     UnsupportedInputError,
 )
+from backlens.graph.freed import is_freed_graph
 
 ORIGINAL_PREFIX = "Original error from torch.autograd: "
 
-FREED_GRAPH_TEXT = "Trying to backward through the graph a second time"
 _INPLACE = re.compile(
     r"modified by an inplace operation: \[(?P<tensor>.*?)\], which is output (?P<output>\d+) of "
     r"(?P<producer>\w+), is at version (?P<version>\d+); expected version (?P<expected>\d+)"
@@ -99,8 +99,11 @@ def explain(exc: BaseException, context: FailureContext | None = None) -> Explan
         return explanation
     context = context or FailureContext()
     text = str(exc)
-    if FREED_GRAPH_TEXT in text:
+    if is_freed_graph(exc):
         return _freed_graph(text, context)
+    if isinstance(exc, FreedGraphError):  # a trace's, explained in its terms already
+        head, _, original = text.partition(f"\n{ORIGINAL_PREFIX}")
+        return Explanation("freed_graph", head.split("\nFix: ")[0], exc.remedy, original or text)
     match = _INPLACE.search(text)
     if match:
         return _saved_tensor_modified(text, match, context)
