@@ -478,3 +478,18 @@ def test_without_profiler_ranges_a_profiled_backward_has_no_module_ranges_and_st
     assert len(cap.passes[0].calls) > 0
     for (name, param), stock in zip(model.named_parameters(), twin.parameters()):
         assert torch.equal(param.grad, stock.grad), name
+
+
+def test_without_the_module_call_impl_entry_module_calls_are_watched_through_call(monkeypatch):
+    model, x = model_and_input()
+    twin = copy.deepcopy(model)
+    plain = bl.capture(twin, x)
+    plain.output.sum().backward()
+    without(monkeypatch, "HAS_MODULE_CALL_IMPL")
+    cap = bl.capture(model, x)
+    cap.output.sum().backward()
+    assert [m.label for m in cap.modules] == [m.label for m in plain.modules]
+    assert cap.ops.labels() == plain.ops.labels()
+    for (name, param), stock in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(param.grad, stock.grad), name
+    assert torch.nn.Module.__dict__["__call__"] is torch.nn.Module.__dict__["_wrapped_call_impl"]
