@@ -11,6 +11,7 @@ import torch
 from monitor_helpers import batch, loss_of, net, train, value
 
 import backlens as bl
+from backlens import _module_calls
 
 
 def scaled_run(fused: bool, scaler_option: bool, steps=4, skip_at=2, outputs=True):
@@ -81,11 +82,12 @@ def test_close_leaves_no_hook_on_the_optimizer_the_modules_or_the_scaler():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu")
     mon = bl.monitor(model, optimizer, outputs=True, scaler=scaler)
-    assert any(m._forward_hooks for m in model.modules())
+    assert _module_calls.watching()
     model(batch(0)).sum()  # a forward whose backward never runs: its tensor hooks must go too
     mon.close()
     assert not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
-    assert not any(m._forward_hooks for m in model.modules())
+    assert not _module_calls.watching()
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
     assert "step" not in scaler.__dict__
     assert mon.closed
     mon.close()  # again: nothing to do
@@ -163,12 +165,12 @@ def test_every_skips_steps_without_touching_them():
     mon = bl.monitor(model, optimizer, every=3, outputs=True)
     armed = []
     for step in range(7):
-        armed.append(any(m._forward_hooks for m in model.modules()))
+        armed.append(_module_calls.watching())
         loss_of(model(batch(step))).backward()
         optimizer.step()
         optimizer.zero_grad()
     mon.close()
-    assert armed == [True, False, False, True, False, False, True]  # output hooks only for recorded steps
+    assert armed == [True, False, False, True, False, False, True]  # module calls watched only for recorded steps
     assert sorted(set(mon.to_pandas().step)) == [0, 3, 6]
 
 

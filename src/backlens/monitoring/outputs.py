@@ -1,9 +1,11 @@
 """Gradient norms reaching module outputs, during recorded steps only.
 
 :func:`watch_module_outputs` is the one place the monitor sees module calls.
-It uses public module forward hooks, registered only while a recorded step's
-forwards run (so unrecorded steps keep torch's fast module call path) and
-removed at its optimizer step; each call's first output tensor (the
+It subscribes to the module-call mechanism capture and live tracing share
+(``backlens._module_calls``: modules stay on torch's fast call path, where a
+forward hook would put every call on the slow one) only while a recorded
+step's forwards run, in the thread that trains, and cancels at its optimizer
+step; each call's first output tensor (the
 house's one reading of a nested output, ``_nested.first_tensor``) gets a
 tensor hook that files the norm of the gradient reaching it, once for all
 the modules returning that same tensor (a container and its last child). A
@@ -22,6 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from backlens import _module_calls
 from backlens._nested import first_tensor
 
 
@@ -38,7 +41,7 @@ class Fired:
 
 
 class OutputWatch:
-    """Forward hooks on ``modules`` while armed; each firing gradient's norm written, in firing
+    """A module-call subscriber for ``modules`` while armed; each firing gradient's norm written, in firing
     order, into one preallocated vector per device and dtype (no allocation that outlives the
     hook: small tensors kept across a backward fragment the C heap, which then faults pages in
     again every step)."""
@@ -48,31 +51,39 @@ class OutputWatch:
         self.failed = failed
         self.fires: list[tuple[int, tuple, int]] = []  # (module position, vector key, index in it)
         self._vectors: dict[tuple, list] = {}  # (device, dtype) -> [vector, used]
-        self._forward_handles: list[Any] = []
+        self._position_of = {id(module): position for position, (_address, module) in enumerate(modules)}
+        self._subscription: Any = None
         self._tensor_handles: list[Any] = []
         self._hooked: dict[int, tuple[weakref.ref, list[int]]] = {}  # id(tensor) -> tensor, its modules
 
     @property
     def armed(self) -> bool:
-        return bool(self._forward_handles)
+        return self._subscription is not None
 
     def arm(self) -> None:
-        if self._forward_handles:
-            return
-        try:
-            for position, (_address, module) in enumerate(self.modules):
-                self._forward_handles.append(module.register_forward_hook(partial(self._called, position)))
-        except BaseException:
-            self.disarm()
-            raise
+        if self._subscription is None:
+            self._subscription = _module_calls.subscribe(self)
 
     def disarm(self) -> None:
-        """Remove the forward hooks and any tensor hook still waiting for its gradient."""
-        handles, self._forward_handles = self._forward_handles, []
+        """Stop watching module calls and remove any tensor hook still waiting for its gradient."""
+        subscription, self._subscription = self._subscription, None
         waiting, self._tensor_handles = self._tensor_handles, []
-        for handle in handles + waiting:
+        if subscription is not None:
+            subscription.cancel()
+        for handle in waiting:
             handle.remove()
         self._hooked = {}
+
+    # -- the module-call subscriber (backlens._module_calls) ------------------------
+    def module_called(self, module: nn.Module, _args: tuple, _kwargs: dict) -> int | None:
+        return self._position_of.get(id(module))
+
+    def module_returned(self, module: nn.Module, position: int, output: Any) -> Any:
+        self._called(position, output)
+        return output
+
+    def module_raised(self, module: nn.Module, position: int) -> None:
+        pass
 
     def take(self) -> Fired:
         """The step's output gradient norms (float64, on their devices), and a fresh start."""
@@ -92,7 +103,7 @@ class OutputWatch:
         return Fired(np.array([position for position, _k, _i in fires], dtype=np.int64),
                      np.array([offsets[key] + index for _p, key, index in fires], dtype=np.int64), size, chunks)
 
-    def _called(self, position: int, _module: nn.Module, _args: Any, output: Any) -> None:
+    def _called(self, position: int, output: Any) -> None:
         try:
             tensor = first_tensor(output)
             if tensor is None or not tensor.requires_grad:
