@@ -1,0 +1,283 @@
+"""Where live coroutines are entered: every coroutine of a run from one ``switch``.
+
+A greenlet's C stack begins just below the native frame of the ``switch``
+call that first entered it. The frames above that point are not the
+greenlet's own and are not saved with it: whenever it runs later, the memory
+there holds whatever the coroutine in place left. Native code that walks the
+stack from inside a greenlet walks on into that memory, and torch does so for
+every error it raises (a ``c10::Error`` records a C++ backtrace: a freed
+graph, a shape mismatch, an in-place check). The walk is sound only while a
+``switch`` call of the same native frame layout waits at that very address;
+otherwise it reads stale words as frame addresses, and the process can crash.
+
+So the frame that runs a model or an autograd engine for live bodies does not
+run it itself: :func:`drive` runs it in a driver coroutine and enters that
+coroutine, and each body the driver starts (:func:`launch`), from the one
+``switch`` in its loop, where it waits until the run is over. Every greenlet
+of the run then has that live ``switch`` call above its base, and the
+caller's own frames above that. Runs nest: a driver or body that drives a run
+of its own is the launcher of that run.
+
+A finished coroutine parks for reuse (a fresh greenlet costs a mapping and an
+unmapping of its Python frame stack, about 15 µs), but only for a run entered
+from the same native stack address: the pool is keyed by the stack pointer
+of the launcher's loop, read with ``getcontext`` where the layout is known
+(x86-64 Linux with glibc). Elsewhere every coroutine is new.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import ctypes
+import platform
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import greenlet
+
+getcurrent = greenlet.getcurrent
+T = TypeVar("T")
+
+_SITES = 8  # stack addresses with parked coroutines, per thread
+_PER_SITE = 8  # parked coroutines per stack address
+
+
+# -- the native stack address of the launcher's loop ---------------------------
+
+
+def _stack_pointer_reader() -> Callable[[], int] | None:
+    """A function that returns the native stack pointer where it is called, or None."""
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        return None
+    try:
+        getcontext = ctypes.PyDLL(None).getcontext  # PyDLL: the GIL stays held
+    except (OSError, AttributeError):  # not glibc
+        return None
+    getcontext.argtypes = [ctypes.c_void_p]
+    getcontext.restype = ctypes.c_int
+    local = threading.local()
+
+    def read() -> int:
+        slot = getattr(local, "slot", None)
+        if slot is None:
+            context = ctypes.create_string_buffer(1024)  # a ucontext_t (936 bytes)
+            # uc_mcontext.gregs[REG_RSP]: after uc_flags, uc_link, uc_stack (40 bytes), 15 registers on.
+            slot = local.slot = (ctypes.addressof(context), ctypes.c_uint64.from_buffer(context, 160), context)
+        getcontext(slot[0])
+        return slot[1].value
+
+    return read
+
+
+_stack_pointer = _stack_pointer_reader()
+
+
+# -- coroutines and where they park ------------------------------------------------
+
+
+class _Coroutine(greenlet.greenlet):
+    """A driver or a body. ``site``: the stack address of the loop that first entered it;
+    ``launcher`` (a driver's): the coroutine whose :func:`drive` loop waits for it."""
+
+    site: int | None
+    launcher: greenlet.greenlet | None
+
+
+_parked = threading.local()
+
+
+def _pools() -> dict[int, list[_Coroutine]]:
+    pools = getattr(_parked, "pools", None)
+    if pools is None:
+        pools = _parked.pools = {}
+    return pools
+
+
+def _root() -> greenlet.greenlet:
+    root = getcurrent()
+    while root.parent is not None:
+        root = root.parent
+    return root
+
+
+def _run_jobs(job: Callable[[], Any]) -> Any:
+    """What every coroutine runs: a job; then, parked, the next (a body's job never raises)."""
+    me = getcurrent()
+    while True:
+        result = job()
+        job = None  # type: ignore[assignment]  # hold nothing of the user's while parked
+        receiver = me.parent
+        if not _park(me):
+            return result  # ends, which hands ``result`` to the parent
+        # Parked under the thread's root, so a parked coroutine keeps no driver alive.
+        me.parent = _root()
+        me.gr_context = None
+        job = receiver.switch(result)
+        if job is None:  # retired
+            return None
+
+
+def _park(me: _Coroutine) -> bool:
+    site = me.site
+    if site is None:
+        return False
+    pools = _pools()
+    pool = pools.pop(site, None)  # re-inserted last: the dict keeps its sites in use order
+    if pool is None:
+        pool = []
+        if len(pools) >= _SITES:
+            _retire(pools.pop(next(iter(pools))))
+    pools[site] = pool
+    if len(pool) >= _PER_SITE:
+        return False
+    pool.append(me)
+    return True
+
+
+def _retire(pool: list[_Coroutine]) -> None:
+    """End coroutines of a site no longer kept, at the next :func:`drive` outside any run.
+
+    Not now: entering one (to end it, or by its collection, which enters it to
+    raise ``GreenletExit``) would move the frames above its base, the running
+    launchers' among them, off the stack while it runs.
+    """
+    retiring = getattr(_parked, "retiring", None)
+    if retiring is None:
+        retiring = _parked.retiring = []
+    retiring.extend(pool)
+
+
+def _end_retired(root: greenlet.greenlet) -> None:
+    retiring = getattr(_parked, "retiring", None)
+    while retiring:
+        glet = retiring.pop()
+        if not glet.dead:
+            glet.parent = root
+            glet.switch(None)
+
+
+def _take(site: int | None) -> _Coroutine:
+    """A coroutine first entered from ``site``: a parked one, or a new one."""
+    if site is not None:
+        pool = _pools().get(site)
+        while pool:
+            glet = pool.pop()
+            if not glet.dead:
+                return glet
+    glet = _Coroutine(_run_jobs)
+    glet.site = site
+    glet.launcher = None
+    return glet
+
+
+# -- runs -------------------------------------------------------------------------
+
+
+class _Launch:
+    """What a driver sends its launcher: enter ``glet`` with ``job``."""
+
+    __slots__ = ("glet", "job")
+
+    def __init__(self, glet: greenlet.greenlet, job: Any):
+        self.glet = glet
+        self.job = job
+
+
+class _Finished:
+    __slots__ = ("result",)
+
+    def __init__(self, result: Any):
+        self.result = result
+
+
+def drive(job: Callable[[], T]) -> T:
+    """Run ``job`` (a model call, an engine run) as a run's driver, in a coroutine.
+
+    This frame enters the driver and every body the driver starts with
+    :func:`launch`, all from the one ``switch`` below, and waits there until
+    the driver's job returns; the job must leave no body suspended (each run
+    unwinds its bodies when it ends). The driver runs in the caller's
+    ``contextvars`` context, as the job would in place. Returns what ``job``
+    returns; what it raises propagates from here.
+    """
+    launcher = getcurrent()
+    if launcher.parent is None:  # the thread's own stack: no run is under way
+        _end_retired(launcher)
+    site = _stack_pointer() if _stack_pointer is not None else None
+    driver = _take(site)
+    driver.parent = launcher
+    driver.launcher = launcher
+    contextvars.copy_context()  # makes sure the caller has a context object to share
+    driver.gr_context = launcher.gr_context
+    target: greenlet.greenlet = driver
+    value: Any = _DriverJob(job)
+    reply: Any = None
+    while True:
+        try:
+            while True:
+                reply = target.switch(value)  # the one switch that enters this run's coroutines
+                if type(reply) is _Launch:
+                    target, value = reply.glet, reply.job
+                elif type(reply) is _Finished:
+                    return reply.result
+                else:
+                    raise RuntimeError(f"backlens: a live run's driver switched to its launcher with {reply!r}")
+        except BaseException as exc:
+            if driver.dead or type(reply) is _Finished:
+                raise  # the driver's job raised it, or the run is over
+            # Raised here between switches (a Ctrl-C): the driver unwinds its run as if its
+            # launch had raised it, and reports it as it reports a failed run.
+            target, value = driver, _Interrupted(exc)
+
+
+class _Interrupted:
+    """Sent to a driver that its launcher was interrupted: raised where the driver waits
+    (its launch), or as its job if it had not begun."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+    def __call__(self) -> None:
+        raise self.error
+
+
+class _DriverJob:
+    __slots__ = ("job",)
+
+    def __init__(self, job: Callable[[], Any]):
+        self.job = job
+
+    def __call__(self) -> _Finished:
+        me = getcurrent()
+        try:
+            return _Finished(self.job())
+        finally:
+            self.job = None  # type: ignore[assignment]
+            me.launcher = None
+
+
+def launch(job: Callable[[], Any], parent: greenlet.greenlet, context: contextvars.Context) -> tuple[greenlet.greenlet, Any]:
+    """From a driver: run ``job`` in a new body coroutine (its return goes to ``parent``).
+
+    Entered by the driver's launcher; returns the coroutine and what is next
+    switched to the driver (the body's first request, or its end).
+    """
+    driver = getcurrent()
+    launcher = getattr(driver, "launcher", None)
+    if launcher is None:
+        raise RuntimeError("backlens: a live body was started outside a run's driver (live.launch.drive)")
+    glet = _take(driver.site)
+    glet.parent = parent
+    glet.gr_context = context
+    reply = launcher.switch(_Launch(glet, job))
+    if type(reply) is _Interrupted:
+        raise reply.error
+    return glet, reply
+
+
+# Frames at the head of a coroutine's traceback that are only this plumbing.
+PLUMBING = {_run_jobs.__code__, _DriverJob.__call__.__code__}
