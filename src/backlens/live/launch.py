@@ -22,7 +22,8 @@ A finished coroutine parks for reuse (a fresh greenlet costs a mapping and an
 unmapping of its Python frame stack, about 15 µs), but only for a run entered
 from the same native stack address: the pool is keyed by the stack pointer
 of the launcher's loop, read with ``getcontext`` where the layout is known
-(x86-64 Linux with glibc). Elsewhere every coroutine is new.
+(x86-64 Linux with glibc). Elsewhere, and under a trace or profile function,
+every coroutine is new.
 """
 
 from __future__ import annotations
@@ -205,7 +206,22 @@ def drive(job: Callable[[], T]) -> T:
     launcher = getcurrent()
     if launcher.parent is None:  # the thread's own stack: no run is under way
         _end_retired(launcher)
-    site = _stack_pointer() if _stack_pointer is not None else None
+    profiler = sys.getprofile()
+    if profiler is not None or sys.gettrace() is not None:
+        # Under a trace or profile function, new coroutines only: each one's first event is its
+        # call and each frame it starts returns within the run (a parked coroutine's never would),
+        # so a tracer that keeps a stack of frames (coverage, profile) stays in step.
+        python_profile = type(profiler) is not _ProfileStacks and _python_profile(profiler) is not None
+        stacks = _ProfileStacks.install(profiler, launcher) if python_profile else None
+        try:
+            return _run(job, launcher, None)
+        finally:
+            if stacks is not None:
+                stacks.uninstall()
+    return _run(job, launcher, _stack_pointer() if _stack_pointer is not None else None)
+
+
+def _run(job: Callable[[], T], launcher: greenlet.greenlet, site: int | None) -> T:
     driver = _take(site)
     driver.parent = launcher
     driver.launcher = launcher
@@ -230,6 +246,56 @@ def drive(job: Callable[[], T]) -> T:
             # Raised here between switches (a Ctrl-C): the driver unwinds its run as if its
             # launch had raised it, and reports it as it reports a failed run.
             target, value = driver, _Interrupted(exc)
+
+
+def _python_profile(profiler: Any) -> Any:
+    """The standard library's pure-Python ``profile.Profile`` behind a profile function, or None."""
+    module = sys.modules.get("profile")
+    owner = getattr(profiler, "__self__", None)
+    return owner if module is not None and isinstance(owner, module.Profile) else None
+
+
+class _ProfileStacks:
+    """The profile function while a run goes on under the pure-Python ``profile`` module.
+
+    ``profile.Profile`` keeps one call stack per thread and asserts that each
+    call's caller is the frame on top of it ("Bad call"); coroutines
+    interleave their frames in one thread. Its stack is swapped for the
+    running coroutine's at each event that comes from another coroutine
+    than the last one, here in the profile function itself, where no profile
+    event of our own can come between. (cProfile keeps no such stack.)
+    """
+
+    __slots__ = ("profiler", "dispatch", "stacks", "current")
+
+    def __init__(self, profiler: Any, launcher: greenlet.greenlet):
+        self.profiler = _python_profile(profiler)
+        self.dispatch = profiler
+        self.stacks: dict[greenlet.greenlet, Any] = {}
+        self.current = launcher
+
+    @classmethod
+    def install(cls, profiler: Any, launcher: greenlet.greenlet) -> _ProfileStacks:
+        stacks = cls(profiler, launcher)
+        sys.setprofile(stacks)
+        return stacks
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> Any:
+        here = getcurrent()
+        if here is not self.current:
+            profiler = self.profiler
+            self.stacks[self.current] = profiler.cur
+            if here in self.stacks:
+                profiler.cur = self.stacks.pop(here)
+            else:  # a new coroutine: its stack starts with a stand-in caller, as the profiler's own does
+                profiler.cur = None
+                profiler.simulate_call("coroutine")
+            self.current = here
+        return self.dispatch(frame, event, arg)
+
+    def uninstall(self) -> None:
+        sys.setprofile(self.dispatch)
+        self.stacks.clear()
 
 
 class _Interrupted:
