@@ -225,8 +225,11 @@ def _run(job: Callable[[], T], launcher: greenlet.greenlet, site: int | None) ->
     driver = _take(site)
     driver.parent = launcher
     driver.launcher = launcher
-    contextvars.copy_context()  # makes sure the caller has a context object to share
-    driver.gr_context = launcher.gr_context
+    context = launcher.gr_context
+    if context is None:  # no context object yet: one is made for the caller, to share
+        contextvars.copy_context()
+        context = launcher.gr_context
+    driver.gr_context = context
     target: greenlet.greenlet = driver
     value: Any = _DriverJob(job)
     reply: Any = None
