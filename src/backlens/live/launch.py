@@ -116,44 +116,39 @@ def _run_jobs(job: Callable[[], Any]) -> Any:
         me.parent = _root()
         me.gr_context = None
         job = receiver.switch(result)
-        if job is None:  # retired
+        if job is None:  # ended to make room
             return None
 
 
 def _park(me: _Coroutine) -> bool:
+    """Keep ``me`` for a later run entered from its site, if there is room."""
     site = me.site
     if site is None:
         return False
     pools = _pools()
-    pool = pools.pop(site, None)  # re-inserted last: the dict keeps its sites in use order
+    pool = pools.get(site)
     if pool is None:
-        pool = []
         if len(pools) >= _SITES:
-            _retire(pools.pop(next(iter(pools))))
-    pools[site] = pool
+            return False
+        pool = pools[site] = []
     if len(pool) >= _PER_SITE:
         return False
     pool.append(me)
     return True
 
 
-def _retire(pool: list[_Coroutine]) -> None:
-    """End coroutines of a site no longer kept, at the next :func:`drive` outside any run.
+def _make_room(site: int, root: greenlet.greenlet) -> None:
+    """At a run from the thread's own stack: end the coroutines of the site used longest ago
+    when ``site`` is new and every place is taken.
 
-    Not now: entering one (to end it, or by its collection, which enters it to
-    raise ``GreenletExit``) would move the frames above its base, the running
-    launchers' among them, off the stack while it runs.
+    Only there: entering a parked coroutine (to end it, or by its collection,
+    which enters it to raise ``GreenletExit``) moves the frames above its base
+    off the stack, and during a run those are the running launchers'.
     """
-    retiring = getattr(_parked, "retiring", None)
-    if retiring is None:
-        retiring = _parked.retiring = []
-    retiring.extend(pool)
-
-
-def _end_retired(root: greenlet.greenlet) -> None:
-    retiring = getattr(_parked, "retiring", None)
-    while retiring:
-        glet = retiring.pop()
+    pools = _pools()
+    if site in pools or len(pools) < _SITES:
+        return
+    for glet in pools.pop(next(iter(pools))):
         if not glet.dead:
             glet.parent = root
             glet.switch(None)
@@ -162,11 +157,14 @@ def _end_retired(root: greenlet.greenlet) -> None:
 def _take(site: int | None) -> _Coroutine:
     """A coroutine first entered from ``site``: a parked one, or a new one."""
     if site is not None:
-        pool = _pools().get(site)
-        while pool:
-            glet = pool.pop()
-            if not glet.dead:
-                return glet
+        pools = _pools()
+        pool = pools.pop(site, None)
+        if pool is not None:
+            pools[site] = pool  # last: the dict keeps its sites in the order they were used
+            while pool:
+                glet = pool.pop()
+                if not glet.dead:
+                    return glet
     glet = _Coroutine(_run_jobs)
     glet.site = site
     glet.launcher = None
@@ -204,8 +202,6 @@ def drive(job: Callable[[], T]) -> T:
     returns; what it raises propagates from here.
     """
     launcher = getcurrent()
-    if launcher.parent is None:  # the thread's own stack: no run is under way
-        _end_retired(launcher)
     profiler = sys.getprofile()
     if profiler is not None or sys.gettrace() is not None:
         # Under a trace or profile function, new coroutines only: each one's first event is its
@@ -218,7 +214,10 @@ def drive(job: Callable[[], T]) -> T:
         finally:
             if stacks is not None:
                 stacks.uninstall()
-    return _run(job, launcher, _stack_pointer() if _stack_pointer is not None else None)
+    site = _stack_pointer() if _stack_pointer is not None else None
+    if site is not None and launcher.parent is None:  # the thread's own stack: no run under way
+        _make_room(site, launcher)
+    return _run(job, launcher, site)
 
 
 def _run(job: Callable[[], T], launcher: greenlet.greenlet, site: int | None) -> T:
@@ -329,8 +328,8 @@ class _DriverJob:
             me.launcher = None
 
 
-def launch(job: Callable[[], Any], parent: greenlet.greenlet, context: contextvars.Context) -> tuple[greenlet.greenlet, Any]:
-    """From a driver: run ``job`` in a new body coroutine (its return goes to ``parent``).
+def launch(job: Callable[[], Any], context: contextvars.Context) -> tuple[greenlet.greenlet, Any]:
+    """From a driver: run ``job`` in a new body coroutine, in ``context``; its return goes to the driver.
 
     Entered by the driver's launcher; returns the coroutine and what is next
     switched to the driver (the body's first request, or its end).
@@ -340,7 +339,7 @@ def launch(job: Callable[[], Any], parent: greenlet.greenlet, context: contextva
     if launcher is None:
         raise RuntimeError("backlens: a live body was started outside a run's driver (live.launch.drive)")
     glet = _take(driver.site)
-    glet.parent = parent
+    glet.parent = driver
     glet.gr_context = context
     reply = launcher.switch(_Launch(glet, job))
     if type(reply) is _Interrupted:

@@ -156,10 +156,10 @@ class Mediator:
     # -- driver side -----------------------------------------------------
     def start(self) -> None:
         """Run the body until its first request (or its end). Called by a run's driver."""
-        self._driver = driver = getcurrent()
+        self._driver = getcurrent()
         self._state.to_body()
         try:
-            self._glet, _ = launch(self._main, driver, contextvars.copy_context())
+            self._glet, _ = launch(self._main, contextvars.copy_context())
         except BaseException:  # interrupted before the body began: nothing to unwind
             self._state.to_driver()
             raise
