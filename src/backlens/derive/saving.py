@@ -70,7 +70,7 @@ def save(grads: Any, path: str | os.PathLike, *, overwrite: bool = False) -> Pat
         "kind": KIND,
         "format_version": FORMAT_VERSION,
         "backlens_version": __version__,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "framework": grads.framework,
         "framework_version": grads.version,
         "output": entry("output", grads.output),

@@ -124,7 +124,7 @@ def build(state: Any, refs: Any) -> dict[str, Any]:
         "format_version": FORMAT_VERSION,
         "backlens_version": __version__,
         "torch_version": torch.__version__,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         **encode_state(state, refs),
     }
 

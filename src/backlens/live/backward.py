@@ -46,6 +46,7 @@ from backlens.live.compiler import CompiledBody, compile_body
 from backlens.live.context import Block, current_block, saved_names
 from backlens.live.freed import BackwardCall, freed_graph_error, recording_own
 from backlens.live.gradpath import GraphIndex, reaches
+from backlens.live.launch import drive
 from backlens.live.mediator import Event, Mediator, StopRun, answer_unserved, getcurrent
 from backlens.live.naming import Label, Site, describe
 from backlens.live.source import BlockSource
@@ -224,6 +225,34 @@ class BackwardRun:
         block = Block("backward", tracer=self.tracer, forward=self.forward, invoke=self.invoke, backward=self)
         mediator = Mediator(block, body, state)
         self.mediator = mediator
+        try:
+            # The engine runs in a driver coroutine (see live.mediator.drive): a torch error
+            # raised in the engine or the body then walks only sound native frames.
+            error = drive(self._drive_engine)
+        finally:
+            mediator.release()
+            self.mediator = None
+            self.driver = None
+            self._graph = None
+            self._engine_task = None
+            self._expect.clear()
+            self._served.clear()
+            self._last = None
+            self._frame = None
+        if mediator.error is not None:
+            raise mediator.error
+        if error is not None:
+            raise error
+        result = mediator.result or {}
+        mediator.result = None
+        updates = saved_names(result, block, body.assigned)
+        updates.update({name: result[name] for name in body.writeback if name in result})
+        return updates
+
+    def _drive_engine(self) -> BaseException | None:
+        """The driver: start the body, run the engine, unwind the body; returns what failed."""
+        mediator = self.mediator
+        assert mediator is not None
         self.driver = getcurrent()
         error: BaseException | None = None
         try:
@@ -252,23 +281,7 @@ class BackwardRun:
                 handle.remove()
             self._handles.clear()
             mediator.cancel()
-            mediator.release()
-            self.mediator = None
-            self._graph = None
-            self._engine_task = None
-            self._expect.clear()
-            self._served.clear()
-            self._last = None
-            self._frame = None
-        if mediator.error is not None:
-            raise mediator.error
-        if error is not None:
-            raise error
-        result = mediator.result or {}
-        mediator.result = None
-        updates = saved_names(result, block, body.assigned)
-        updates.update({name: result[name] for name in body.writeback if name in result})
-        return updates
+        return error
 
     def _finish(self) -> None:
         """Tell a body still waiting that its gradient never came, and why."""

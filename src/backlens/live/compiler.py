@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import ast
 import copy
-import sys
 import types
 from dataclasses import dataclass
 from typing import Any
@@ -293,9 +292,7 @@ def _compile(
         ) from None
     code = _function_code(module_code)
     # Tracebacks then read like the user's own function.
-    if sys.version_info >= (3, 11):
-        return code.replace(co_name=name, co_qualname=qualname)
-    return code.replace(co_name=name)
+    return code.replace(co_name=name, co_qualname=qualname)
 
 
 def _function_code(code: types.CodeType) -> types.CodeType:

@@ -13,6 +13,7 @@ it waited for and why it never came.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from backlens.live import rows as rows_mod
 from backlens.live.barrier import Barrier, BarrierWait, unfilled_error
 from backlens.live.compiler import CompiledBody
 from backlens.live.context import Block, saved_names
+from backlens.live.launch import drive
 from backlens.live.mediator import Event, Mediator, StopRun, answer_unserved, getcurrent
 from backlens.live.naming import INPUT, OUTPUT, Site, site_name, spelled_path
 from backlens.live.skip import write_locals
@@ -106,12 +108,34 @@ class ForwardRun:
     def execute(self) -> Any:
         """Run the model once with every invoke in step; raises the first body error."""
         args, kwargs = self._batch_inputs()
-        store = self.tracer._graph_store
         for invoke in self.invokes:
             block = Block("invoke", tracer=self.tracer, forward=self, invoke=invoke)
             assert invoke.body is not None
             self.mediators.append(Mediator(block, invoke.body, invoke.state))
             invoke.body = None  # the mediator owns it now
+        try:
+            # The model runs in a driver coroutine (see live.mediator.drive).
+            output, error, failed = drive(functools.partial(self._run_model, args, kwargs))
+            if failed is not None:
+                raise failed
+            if error is not None:
+                raise error
+            for mediator, invoke in zip(self.mediators, self.invokes):
+                result, body = mediator.result, mediator.body
+                if result is not None and body is not None:
+                    invoke.updates = saved_names(result, mediator.block, body.assigned)
+                    invoke.updates.update({name: result[name] for name in body.writeback if name in result})
+                mediator.result = None
+        finally:
+            for mediator in self.mediators:
+                mediator.release()
+            self.mediators = []
+        return output
+
+    def _run_model(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, BaseException | None, BaseException | None]:
+        """The driver: start the bodies, call the model, unwind the bodies; returns the
+        model's output, what failed in the run and the first body error."""
+        store = self.tracer._graph_store
         self.driver = getcurrent()
         error: BaseException | None = None
         failed: BaseException | None = None
@@ -145,22 +169,7 @@ class ForwardRun:
             self._waiting.clear()
             self._arrived.clear()
             self._injected.clear()
-        try:
-            if failed is not None:
-                raise failed
-            if error is not None:
-                raise error
-            for mediator, invoke in zip(self.mediators, self.invokes):
-                result, body = mediator.result, mediator.body
-                if result is not None and body is not None:
-                    invoke.updates = saved_names(result, mediator.block, body.assigned)
-                    invoke.updates.update({name: result[name] for name in body.writeback if name in result})
-                mediator.result = None
-        finally:
-            for mediator in self.mediators:
-                mediator.release()
-            self.mediators = []
-        return output
+        return output, error, failed
 
     def _batch_inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if len(self.invokes) == 1:

@@ -12,18 +12,20 @@ lock, the backward runs where the forward did, and the body may replace the
 value (``event.replace``) before the driver continues with it.
 
 Each switch keeps torch's thread-local modes apart (:class:`StateSwitch`);
-each body runs in its own copy of the caller's ``contextvars`` context.
-Greenlets are pooled per thread: a finished one parks, holding nothing of the
-user's, until the next body. No switch can hang: the driver switches to a
-body only to let it run user code, and every body still waiting when the
-driver is done is resumed with an error (:meth:`Mediator.fail`) or unwound
-(:meth:`Mediator.cancel`).
+each body runs in its own copy of the caller's ``contextvars`` context. No
+switch can hang: the driver switches to a body only to let it run user code,
+and every body still waiting when the driver is done is resumed with an error
+(:meth:`Mediator.fail`) or unwound (:meth:`Mediator.cancel`).
+
+Every coroutine is entered first by the launcher of its run, from one
+``switch`` (:mod:`backlens.live.launch`): the driver is itself a coroutine
+(:func:`~backlens.live.launch.drive`), so that a torch error raised in a body,
+the engine or the model walks only sound native frames.
 """
 
 from __future__ import annotations
 
 import contextvars
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -31,10 +33,9 @@ import greenlet
 
 from backlens.live.compiler import CompiledBody
 from backlens.live.context import Block, enter_block, leave_block
+from backlens.live.launch import PLUMBING, getcurrent, launch
 from backlens.live.torchstate import CallerState, StateSwitch
 from backlens.live.withbody import strip_internal_head
-
-getcurrent = greenlet.getcurrent
 
 
 class Cancelled(BaseException):
@@ -82,54 +83,6 @@ class _Raise:
         self.error = error
 
 
-# -- the per-thread pool of parked greenlets ---------------------------------
-
-_pool = threading.local()
-_POOL_SIZE = 8
-
-
-def _worker_loop(job: Callable[[], None]) -> None:
-    """What a pooled greenlet runs: one job, park, the next job (a job never raises)."""
-    me = getcurrent()
-    while True:
-        job()
-        job = None  # type: ignore[assignment]  # hold nothing of the user's while parked
-        free = _free()
-        if len(free) >= _POOL_SIZE:
-            return  # ends, which switches back to the driver (its parent)
-        driver = me.parent
-        free.append(me)
-        # Parked under the thread's root, so a parked greenlet keeps no driver alive.
-        me.parent = _root()
-        job = driver.switch(_DONE)
-
-
-def _free() -> list[greenlet.greenlet]:
-    free = getattr(_pool, "free", None)
-    if free is None:
-        free = _pool.free = []
-    return free
-
-
-def _root() -> greenlet.greenlet:
-    root = getattr(_pool, "root", None)
-    if root is None:
-        root = getcurrent()
-        while root.parent is not None:
-            root = root.parent
-        _pool.root = root
-    return root
-
-
-def _take() -> greenlet.greenlet:
-    free = _free()
-    while free:
-        glet = free.pop()
-        if not glet.dead:
-            return glet
-    return greenlet.greenlet(_worker_loop)
-
-
 _DONE = object()
 _REQUEST = object()
 
@@ -166,8 +119,8 @@ class Mediator:
         self._cancelled = False
 
     # -- body side -------------------------------------------------------
-    def _main(self) -> None:
-        """The body, run in the pooled greenlet (never raises)."""
+    def _main(self) -> Any:
+        """The body, run in a coroutine of its run (never raises)."""
         token = enter_block(self.block)
         try:
             body = self.body
@@ -184,6 +137,7 @@ class Mediator:
             self.pending = None
             self.event = None
             self._state.to_driver()
+        return _DONE
 
     def request(self, key: Any) -> Event:
         """Wait until the driver serves ``key``; returns the event it served."""
@@ -201,15 +155,15 @@ class Mediator:
 
     # -- driver side -----------------------------------------------------
     def start(self) -> None:
-        """Run the body until its first request (or its end)."""
-        self.started = True
-        glet = _take()
-        self._glet = glet
-        self._driver = driver = getcurrent()
-        glet.parent = driver
-        glet.gr_context = contextvars.copy_context()
+        """Run the body until its first request (or its end). Called by a run's driver."""
+        self._driver = getcurrent()
         self._state.to_body()
-        glet.switch(self._main)
+        try:
+            self._glet, _ = launch(self._main, contextvars.copy_context())
+        except BaseException:  # interrupted before the body began: nothing to unwind
+            self._state.to_driver()
+            raise
+        self.started = True
 
     def serve(self, event: Event) -> None:
         """Hand ``event`` to the body waiting for it; return when it yields again."""
@@ -243,7 +197,7 @@ class Mediator:
 
 
 # Frames at the head of a body's traceback that are only the coroutine's plumbing.
-_PLUMBING = {Mediator._main.__code__, CompiledBody.run.__code__, _worker_loop.__code__}
+_PLUMBING = {Mediator._main.__code__, CompiledBody.run.__code__, *PLUMBING}
 
 
 _MAX_UNSERVED = 100  # a body that keeps catching the error and asking again is unwound after this

@@ -6,6 +6,14 @@ modes there first: that is where the body starts, after every other context
 manager of the same ``with`` statement has been entered). The block's
 ``__exit__`` swallows it, runs the body itself, and binds the saved names in
 the caller's frame with :func:`write_locals`.
+
+A frame's trace function is called only by Python's own ``sys.settrace``
+machinery. A tracer installed from C (coverage.py's C tracer) keeps its own
+and never calls it, so it is displaced while the skip is armed (the body's
+first line comes right after the ``with`` line) and put back after; a
+Python-level tracer (a debugger, a user's ``sys.settrace``) keeps running
+alongside. Should anything still keep the skip from firing, the body has run
+in place: :meth:`Skipper.missed` is the error that says so, naming the tracer.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import sys
 import types
 from typing import Any
 
+from backlens.errors import TraceError
 from backlens.live.torchstate import CallerState
 
 _EVENTS = ("line", "opcode")
@@ -40,7 +49,10 @@ class Skipper:
     of no-op statements only (``pass``) needs no skipping: it may run as it is.
     """
 
-    __slots__ = ("frame", "first_line", "fired", "state", "_active", "_token", "_prev_global", "_prev_local", "_prev_opcodes")
+    __slots__ = (
+        "frame", "first_line", "fired", "state", "_active", "_token", "_prev_global", "_prev_local",
+        "_prev_opcodes", "_found",
+    )  # fmt: skip
 
     def __init__(self, frame: types.FrameType, first_line: int | None):
         self.frame = frame
@@ -54,6 +66,7 @@ class Skipper:
         self._prev_global: Any = None
         self._prev_local: Any = None
         self._prev_opcodes = False
+        self._found: Any = None  # the thread's trace function when the block ended
 
     def install(self) -> None:
         if self.first_line is None:
@@ -62,8 +75,16 @@ class Skipper:
         self._prev_local = self.frame.f_trace
         self._prev_opcodes = self.frame.f_trace_opcodes
         self.frame.f_trace = self._trace
-        if self._prev_global is None:
+        previous = self._prev_global
+        if not _calls_frame_trace(previous):
             sys.settrace(_untraced)
+            if previous is not None and callable(previous):
+                # Our frames between here and the caller return while it is displaced: it is
+                # handed their returns, so a tracer that keeps its own stack of frames (coverage
+                # does) stays in step with the interpreter's.
+                forward = _ReturnsTo(previous)
+                for pending in _frames_up_to(sys._getframe(), self.frame):
+                    pending.f_trace = forward
         self._active = True
 
     def _trace(self, frame: types.FrameType, event: str, arg: Any) -> Any:
@@ -86,14 +107,87 @@ class Skipper:
         if not self._active:
             return
         self._active = False
-        if sys.gettrace() is not self._prev_global:
-            sys.settrace(self._prev_global)
+        self._found = found = sys.gettrace()
+        previous = self._prev_global
+        # Ours, or none (a trace function that raises is dropped): put back what was there. A
+        # tracer someone installed meanwhile stays.
+        if (found is None or found is _untraced) and found is not previous:
+            sys.settrace(previous)
+            if previous is not None and callable(previous) and not _calls_frame_trace(previous):
+                # Our frames from the block's __exit__ to here began while it was displaced: it
+                # sees their calls now, outermost first, before it sees them return.
+                for pending in reversed(_frames_up_to(sys._getframe(), self.frame)):
+                    previous(pending, "call", None)
         self.frame.f_trace = self._prev_local
         self.frame.f_trace_opcodes = self._prev_opcodes
         # The token's traceback holds the caller's frame: drop it, so no cycle
         # is left for the garbage collector.
         self._token.__traceback__ = None
         self._token.__context__ = None
+
+
+    def missed(self, exc: BaseException | None) -> TraceError | None:
+        """The error when the body ran in place instead of being skipped (None when it did not).
+
+        Called at the block's end, after :meth:`restore`. ``exc`` is what the
+        block ended with: one raised before the body (another context manager
+        of the same ``with``) means the body never ran, and is let through.
+        """
+        if self.fired or self.first_line is None:
+            return None
+        if exc is not None and not self._raised_in_body(exc):
+            return None
+        found = self._found
+        if found is None or found is _untraced:
+            who = "another tracer removed the trace function that skips it"
+        elif found is self._prev_global:
+            who = f"the trace function {found!r} does not call a frame's own trace function"
+        else:
+            who = f"the trace function {found!r} replaced the one that skips it"
+        return TraceError(
+            f"the body starting at {self.frame.f_code.co_filename}:{self.first_line} ran in place, "
+            f"outside the trace: backlens skips a block's body with a trace function (sys.settrace), "
+            f"and {who}.",
+            code="body_ran_in_place",
+            remedy="Run the trace without that tracer, or with one that leaves sys.settrace working or "
+            "uses sys.monitoring (coverage.py's cores, pdb and the profilers all do).",
+        )
+
+    def _raised_in_body(self, exc: BaseException) -> bool:
+        tb = exc.__traceback__
+        while tb is not None:
+            if tb.tb_frame is self.frame:
+                return tb.tb_lineno >= self.first_line  # type: ignore[operator]
+            tb = tb.tb_next
+        return True  # raised from a frame the body called, not seen here: assume the body
+
+
+def _frames_up_to(frame: types.FrameType | None, caller: types.FrameType) -> list[types.FrameType]:
+    """``frame`` and its callers up to, not including, ``caller`` (innermost first)."""
+    frames = []
+    while frame is not None and frame is not caller:
+        frames.append(frame)
+        frame = frame.f_back
+    return frames
+
+
+class _ReturnsTo:
+    """A frame's trace function that hands only the frame's return to a displaced tracer."""
+
+    __slots__ = ("tracer",)
+
+    def __init__(self, tracer: Any):
+        self.tracer = tracer
+
+    def __call__(self, frame: types.FrameType, event: str, arg: Any) -> Any:
+        if event == "return":
+            self.tracer(frame, event, arg)
+        return self
+
+
+def _calls_frame_trace(tracer: Any) -> bool:
+    """Whether the thread's trace function calls a frame's own ``f_trace`` (Python-level ones do)."""
+    return isinstance(tracer, (types.FunctionType, types.MethodType))
 
 
 def _untraced(frame: types.FrameType, event: str, arg: Any) -> None:

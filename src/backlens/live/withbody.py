@@ -103,6 +103,10 @@ class WithBody:
         if skip is None or frame is None:
             return False
         skip.restore()
+        missed = skip.missed(exc)
+        if missed is not None:  # a tracer kept the body from being skipped: it ran in place
+            self._cleanup()
+            raise missed from exc
         if exc is not None and not skip.owns(exc):
             self._cleanup()
             return False  # something failed before the body: let it through
