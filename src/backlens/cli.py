@@ -539,8 +539,10 @@ def _add_report_command(command) -> None:
 
 
 def _report(args) -> None:
-    from rich.console import Console
+    from rich.text import Text
 
+    from backlens._console import stdout_options
+    from backlens._text import text_console
     from backlens.monitoring.sinks import read
     from backlens.report.grads import grads_report
 
@@ -561,10 +563,11 @@ def _report(args) -> None:
     name = os.path.basename(os.path.normpath(run))
     grads_report(frame, alerts, f"backlens monitor: {name}").write(out)
     steps = frame["step"].nunique()
-    Console().print(f"[bold]{run}[/bold]: {steps} recorded steps, {len(alerts)} alerts")
+    console = text_console(**stdout_options())  # names read back from the run's files: text, never markup
+    console.print(Text.assemble((run, "bold"), f": {steps} recorded steps, {len(alerts)} alerts"))
     for alert in alerts[:10]:
-        Console().print(f"  {alert.message}")
-    Console().print(f"HTML report: {os.path.abspath(out)}")
+        console.print(f"  {alert.message}")
+    console.print(f"HTML report: {os.path.abspath(out)}")
 
 
 if __name__ == "__main__":
