@@ -14,6 +14,10 @@ from backlens.report.display import flops_text
 from backlens.report.profile import build_profile, html_report, run_passes, summary_line
 from models import MLP
 
+# Passes of a tiny MLP last about 100 us, so their spread on a shared machine is often over 20% of
+# the median: the warning is the machine's, not these tests' subject (the sleeping ones assert it).
+pytestmark = pytest.mark.filterwarnings("ignore:Backward times are noisy")
+
 
 def profiled(repeats: int, **options):
     torch.manual_seed(0)
@@ -123,7 +127,8 @@ def test_the_gantt_shows_the_pass_whose_module_times_are_nearest_their_medians()
     SleepOnce.sleep_on = {("a", 2), ("b", 3)}  # pass 2 is slow in a, pass 3 in b; pass 4 in neither
     SleepOnce.calls.clear()
     run_passes(cap, cap.output.sum(), 3, list(model.parameters()))
-    profile = build_profile(cap, "parts")
+    with pytest.warns(bl.BacklensWarning, match="interquartile range"):  # two of three passes slept
+        profile = build_profile(cap, "parts")
     durations = {p.number: p.duration for p in cap.passes}
     assert min(durations[2], durations[3]) > durations[4]  # the pass of median duration is a slow one
     assert profile.gantt.title.startswith("Backward timeline of pass 4:")
