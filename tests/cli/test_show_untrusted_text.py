@@ -86,7 +86,7 @@ def test_show_prints_a_derived_bundle_s_text_as_text(tmp_path, capsys, monkeypat
 
 
 def test_show_names_the_bundle_in_bold_still(sound, capsys, monkeypatch):
-    from backlens._text import printable
+    from backlens._console import printable
 
     out = show(capsys, monkeypatch, sound)
     assert out.startswith(f"{sound}: ") and "backward passes" in out
