@@ -216,3 +216,15 @@ def test_checking_and_replacing_a_bundle_leaves_no_directory_listing_open(tmp_pa
         small_capture(1).save(tmp_path / "b", overwrite=True)
         gc.collect()
     assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
+
+
+def test_a_bundle_too_large_to_parse_when_checked_is_recognised_by_its_opening(tmp_path, monkeypatch):
+    from backlens.io import files, markers
+
+    cap = bl.capture(torch.nn.Linear(3, 2), torch.randn(2, 3))
+    path = cap.save(tmp_path / "b")
+    monkeypatch.setattr(files, "PEEK_WHOLE_BELOW", 64)
+    assert markers.holds_manifest(path)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "manifest.json").write_text(" " * 100 + '{"plugins": ["backlens.report"]}')
+    assert not markers.holds_manifest(tmp_path / "other")

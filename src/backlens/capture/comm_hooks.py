@@ -8,7 +8,6 @@ result is untouched.
 
 from __future__ import annotations
 
-import time
 import weakref
 from functools import partial
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-_now = time.perf_counter_ns
+from backlens._clock import now as _now
 
 # One hook per DDP model (DDP takes one, for good); None for a model with a hook of its own.
 _HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

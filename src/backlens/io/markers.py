@@ -25,12 +25,11 @@ import re
 from pathlib import Path
 
 from backlens.errors import BundleError
-from backlens.io.files import BundleDir, parse_json, read_exact
+from backlens.io.files import BundleDir, peek_manifest
 from backlens.io.names import MANIFEST, STREAM_MARKER
 
 STREAM_MARKER_TEXT = json.dumps({"format": "backlens.bundle-stream"})
 BUNDLE_FORMATS = ("backlens.bundle", "backlens.derived")
-_PARSE_WHOLE_BELOW = 1 << 20
 # How backlens writes a manifest (json.dump of a dict whose first key is "format"): a manifest too
 # large to parse here is recognised by this opening.
 _OPENING = re.compile(rb'\A\s*\{\s*"format"\s*:\s*"(backlens\.(?:bundle|derived))"\s*,')
@@ -42,21 +41,12 @@ _LEFTOVER = re.compile(r"\A\.(?P<name>.+)\.(?:partial|old)-[0-9a-f]{12}\Z")
 
 def holds_manifest(path: Path) -> bool:
     """Whether ``path`` is a directory whose ``manifest.json`` is a backlens bundle manifest."""
-    try:
-        directory = BundleDir(path)
-        info = directory.lstat(MANIFEST)
-        if info is None:
-            return False
-        descriptor = directory.open(MANIFEST)
-        try:
-            head = read_exact(descriptor, min(info.st_size, _PARSE_WHOLE_BELOW), 0, directory.path(MANIFEST))
-        finally:
-            os.close(descriptor)
-        if info.st_size > _PARSE_WHOLE_BELOW:
-            return _OPENING.match(head) is not None
-        manifest = parse_json(bytes(head), directory.path(MANIFEST), "manifest")
-    except BundleError:
+    found = peek_manifest(path, MANIFEST)
+    if found is None:
         return False
+    manifest, opening = found
+    if manifest is None:
+        return _OPENING.match(opening) is not None
     return isinstance(manifest, dict) and manifest.get("format") in BUNDLE_FORMATS
 
 
