@@ -75,6 +75,23 @@ def test_a_save_with_overwrite_replaces_a_bundle_of_either_kind(tmp_path):
     assert_same_capture(cap, bl.load(tmp_path / "b"))
 
 
+@pytest.mark.parametrize("how", ["save", "to_disk"])
+def test_a_bundle_holding_a_user_s_files_beside_its_own_is_not_replaced(tmp_path, how):
+    small_capture().save(tmp_path / "b")
+    (tmp_path / "b" / "notes.txt").write_text("what I found in this run")
+    before = listing(tmp_path / "b")
+    (tmp_path / "b" / "figures").mkdir()
+    with pytest.raises(bl.BundleError) as info:
+        if how == "save":
+            small_capture(seed=1).save(tmp_path / "b", overwrite=True)
+        else:
+            bl.capture(MLP(), torch.randn(4, 6), storage=bl.to_disk(tmp_path / "b", overwrite=True))
+    assert info.value.code == "bundle_holds_other_files"
+    assert "'notes.txt'" in str(info.value) and "'figures'" in str(info.value)
+    (tmp_path / "b" / "figures").rmdir()  # still there, and empty, as left
+    assert listing(tmp_path / "b") == before
+
+
 def test_a_leftover_named_like_a_save_s_but_holding_other_files_is_left_alone(tmp_path):
     mine = tmp_path / ".b.partial-0123456789ab"
     mine.mkdir()

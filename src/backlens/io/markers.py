@@ -8,6 +8,8 @@ backlens's own unfinished work:
   substring: ``{"plugins": ["backlens.report"]}`` is not one);
 * an unfinished ``bl.to_disk`` stream: its ``.backlens-stream`` marker is a
   regular file holding exactly what the stream writes there;
+* and never a bundle directory holding anything backlens does not write there
+  (a user's notes or report beside the bundle's files): :func:`refuse_unless_replaceable`;
 * what an interrupted save left beside a path (``.NAME.partial-TOKEN``,
   ``.NAME.old-TOKEN``): named as backlens names them and holding only files
   backlens writes (or a bundle).
@@ -65,6 +67,27 @@ def holds_stream_marker(path: Path) -> bool:
 def is_bundle_dir(path: Path) -> bool:
     """Whether ``path`` holds a backlens bundle or an unfinished ``bl.to_disk`` stream."""
     return holds_stream_marker(path) or holds_manifest(path)
+
+
+def other_entries(path: Path) -> list[str]:
+    """The names in directory ``path`` that backlens does not write there (sorted)."""
+    with os.scandir(path) as entries:
+        return sorted(entry.name for entry in entries
+                      if not (entry.is_file(follow_symlinks=False) and _OWN_FILES.match(entry.name)))
+
+
+def refuse_unless_replaceable(path: Path) -> None:
+    """Raise unless ``path`` is a bundle (or stream) directory holding only what backlens writes:
+    ``overwrite=True`` replaces a bundle, never a user's files kept beside one."""
+    if not is_bundle_dir(path):
+        raise BundleError(f"{path}: exists and is not a backlens bundle; refusing to replace it.",
+                          code="bundle_not_a_bundle", remedy="Choose a new path; overwrite=True only replaces bundles.")
+    others = other_entries(path)
+    if others:
+        shown = ", ".join(repr(name) for name in others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        raise BundleError(f"{path}: is a backlens bundle that also holds {shown}, which backlens did not write; "
+                          "refusing to replace it.", code="bundle_holds_other_files",
+                          remedy="Move those files out of the bundle directory, or save to a new path.")
 
 
 def is_own_leftover(path: Path, target: Path) -> bool:
