@@ -127,6 +127,11 @@ def sequence_nr_function() -> Callable[[], int]:
     return _get_sequence_nr if HAS_SEQUENCE_NR else (lambda: 0)
 
 
+def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The tensor ``tensor`` is a view of (``Tensor._base``; None: not a view)."""
+    return getattr(tensor, "_base", None)
+
+
 def sequence_nr() -> int | None:
     """The calling thread's next autograd sequence number (None if unknown)."""
     return _get_sequence_nr() if HAS_SEQUENCE_NR else None
@@ -334,13 +339,14 @@ def any_autocast_enabled_function() -> Callable[[], bool] | None:
     return _raw_any_autocast if HAS_RAW_MODE_SWITCHES else None
 
 
-# distributed: FSDP2's private param groups, in backlens/_torch_fsdp.py (imported only here)
+# distributed: DDP's and FSDP2's private parts, in backlens/_torch_distributed.py (imported only here)
 
-from backlens._torch_fsdp import FSDP_COMM_OBJECTS  # noqa: E402
-from backlens._torch_fsdp import fsdp_comms as fsdp_comms  # noqa: E402
-from backlens._torch_fsdp import fsdp_param_groups as fsdp_param_groups  # noqa: E402
-from backlens._torch_fsdp import fsdp_unsharded_params as fsdp_unsharded_params  # noqa: E402
-from backlens._torch_fsdp import set_fsdp_comms as set_fsdp_comms  # noqa: E402
+from backlens._torch_distributed import FSDP_COMM_OBJECTS  # noqa: E402
+from backlens._torch_distributed import ddp_comm_hooks as ddp_comm_hooks  # noqa: E402
+from backlens._torch_distributed import fsdp_comms as fsdp_comms  # noqa: E402
+from backlens._torch_distributed import fsdp_param_groups as fsdp_param_groups  # noqa: E402
+from backlens._torch_distributed import fsdp_unsharded_params as fsdp_unsharded_params  # noqa: E402
+from backlens._torch_distributed import set_fsdp_comms as set_fsdp_comms  # noqa: E402
 
 CAPABILITIES = (*CAPABILITIES, FSDP_COMM_OBJECTS)
 

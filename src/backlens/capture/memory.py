@@ -126,7 +126,7 @@ class _StorageIndex:
         found = self._live.get(key)
         if found is not None and found[0]() is storage:
             return found[1]
-        if kind == "saved" and (isinstance(tensor, Parameter) or isinstance(tensor._base, Parameter)):
+        if kind == "saved" and (isinstance(tensor, Parameter) or isinstance(_torch.view_base(tensor), Parameter)):
             kind = "param"  # a parameter the model does not register (FSDP2's unsharded ones), or a view of one
         index = self._journal.add_storage(storage.nbytes(), kind)
         try:

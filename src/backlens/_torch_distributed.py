@@ -1,5 +1,9 @@
-"""FSDP2's private param groups, for backlens._torch (which alone imports this module and
-re-exports its names: the rest of backlens reaches them as ``_torch.fsdp_...``).
+"""DDP's and FSDP2's private parts, for backlens._torch (which alone imports this module and
+re-exports its names: the rest of backlens reaches them as ``_torch.fsdp_...``, ``_torch.ddp_...``).
+
+DDP keeps the communication hooks registered from Python in a private list;
+it accepts one hook per model, so capture registers its pass-through hook only
+on a model with none, and puts the list back when DDP refuses it.
 
 FSDP2 keeps, per unit (a module given to ``fully_shard``), private param
 groups holding the unit's communication objects (the all-gather and the
@@ -84,3 +88,10 @@ class _FsdpCapability:
 
 
 FSDP_COMM_OBJECTS = _FsdpCapability()
+
+
+def ddp_comm_hooks(ddp: Any) -> list[Any] | None:
+    """The list of communication hooks registered on ``ddp`` from Python (the list itself:
+    changed in place to undo a registration), or None where this torch keeps none."""
+    hooks = getattr(ddp, "_comm_hooks", None)
+    return hooks if isinstance(hooks, list) else None
