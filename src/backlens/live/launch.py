@@ -33,8 +33,11 @@ from __future__ import annotations
 
 import contextvars
 import ctypes
+import functools
+import os
 import platform
 import sys
+import sysconfig
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -255,10 +258,32 @@ def _run(job: Callable[[], T], launcher: greenlet.greenlet, site: int | None) ->
 
 
 def _python_profile(profiler: Any) -> Any:
-    """The standard library's pure-Python ``profile.Profile`` behind a profile function, or None."""
-    module = sys.modules.get("profile")
+    """The standard library's pure-Python ``profile.Profile`` behind a profile function, or None.
+
+    Under ``python -m profile script.py`` that class is ``__main__.Profile``
+    (the module ran as the main one), so it is known by the file it comes from.
+    """
     owner = getattr(profiler, "__self__", None)
-    return owner if module is not None and isinstance(owner, module.Profile) else None
+    if owner is None:
+        return None
+    for cls in type(owner).__mro__:
+        if cls.__name__ == "Profile" and _is_stdlib_profile(sys.modules.get(cls.__module__)):
+            return owner
+    return None
+
+
+def _is_stdlib_profile(module: Any) -> bool:
+    if module is None:
+        return False
+    if module is sys.modules.get("profile"):
+        return True
+    file = getattr(module, "__file__", None)
+    return file is not None and os.path.normcase(os.path.realpath(file)) == _stdlib_profile_file()
+
+
+@functools.cache
+def _stdlib_profile_file() -> str:
+    return os.path.normcase(os.path.realpath(os.path.join(sysconfig.get_path("stdlib"), "profile.py")))
 
 
 class _ProfileStacks:
