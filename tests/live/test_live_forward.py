@@ -191,6 +191,31 @@ def test_tuple_outputs_are_served_whole_and_per_invoke(x):
     assert torch.equal(got["out"], torch.zeros(3, 4))
 
 
+def test_a_trace_of_one_input_is_served_the_modules_own_output_object(x):
+    returned = {}
+
+    class Dict(nn.Module):
+        def forward(self, x):
+            returned["out"] = {"h": x + 1, "n": 3}
+            return returned["out"]
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Dict()
+
+        def forward(self, x):
+            return self.inner(x)["h"] * 2
+
+    lens = bl.wrap(Model())
+    with lens.trace(x):
+        served = lens.inner.output
+        same = bl.save(served is returned["out"])
+        h = served["h"].save()
+    assert same
+    assert torch.equal(h, x + 1)
+
+
 def test_a_replacement_of_the_wrong_shape_names_the_site(mlp, lens, x):
     with pytest.raises(TraceError) as info:
         with lens.trace() as tracer:

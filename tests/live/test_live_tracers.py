@@ -13,6 +13,7 @@ import io
 import pdb
 import profile
 import pstats
+import subprocess
 import sys
 
 import coverage
@@ -159,3 +160,31 @@ def test_a_tracer_started_between_the_with_and_the_body_is_named_by_the_error_no
     assert "CTracer" in str(info.value)
     assert ran == ["in place"]
     assert_clean(mlp)
+
+
+def test_a_script_run_under_python_m_profile_traces_with_stock_gradients(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import torch\n"
+        "import backlens as bl\n"
+        "torch.manual_seed(0)\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))\n"
+        "x = torch.randn(2, 3)\n"
+        "lens = bl.wrap(model)\n"
+        "for _ in range(3):\n"
+        "    with lens.trace(x):\n"
+        "        hidden = lens[0].output\n"
+        "        with lens.output.sum().backward():\n"
+        "            grad = hidden.grad.save()\n"
+        "stock_hidden = model[0](x)\n"
+        "stock_hidden.retain_grad()\n"
+        "model[2](model[1](stock_hidden)).sum().backward()\n"
+        "assert torch.equal(grad, stock_hidden.grad), (grad, stock_hidden.grad)\n"
+        "print('stock gradients')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "profile", str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    assert "stock gradients" in done.stdout
+    assert "function calls" in done.stdout  # the profile's own statistics

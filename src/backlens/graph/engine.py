@@ -110,10 +110,20 @@ _lock = threading.RLock()
 _observers: list[Any] = []
 
 
+_wrappers: dict[Any, Any] = {}  # torch's entry point -> our wrapper of it (made once)
+
+
+def _wrapper_of(original: Any) -> Any:
+    made = _wrappers.get(original)
+    if made is None:
+        made = _wrappers[original] = _make_wrapper(original)
+    return made
+
+
 def arm(participant: Participant) -> None:
     """Start routing engine runs to ``participant`` (installs the wrapper with the first one)."""
     with _lock:
-        _torch.install_engine_wrapper(_make_wrapper)
+        _torch.install_engine_wrapper(_wrapper_of)
         if participant not in _live_participants():
             _participants.append(weakref.ref(participant))
 
@@ -121,7 +131,7 @@ def arm(participant: Participant) -> None:
 def observe(observer: Any) -> None:
     """Call ``observer(args, kwargs)`` before every engine run (installs the wrapper with the first one)."""
     with _lock:
-        _torch.install_engine_wrapper(_make_wrapper)
+        _torch.install_engine_wrapper(_wrapper_of)
         _observers.append(observer)
 
 

@@ -12,26 +12,32 @@ otherwise it reads stale words as frame addresses, and the process can crash.
 
 So the frame that runs a model or an autograd engine for live bodies does not
 run it itself: :func:`drive` runs it in a driver coroutine and enters that
-coroutine, and each body the driver starts (:func:`launch`), from the one
-``switch`` in its loop, where it waits until the run is over. Every greenlet
-of the run then has that live ``switch`` call above its base, and the
-caller's own frames above that. Runs nest: a driver or body that drives a run
-of its own is the launcher of that run.
+coroutine from the one ``switch`` in its loop, where it waits until the run
+is over. A body (:func:`launch`) is a coroutine first entered from that same
+``switch``: a new one is handed to the launcher to enter; a parked one, first
+entered there by an earlier run, the driver enters itself. Every greenlet of
+the run then has that live ``switch`` call above its base, and the caller's
+own frames above that. A run started inside a run (a backward block in a
+body) is driven in place by the coroutine that starts it, whose bodies are
+anchored under the same launcher.
 
 A finished coroutine parks for reuse (a fresh greenlet costs a mapping and an
 unmapping of its Python frame stack, about 15 µs), but only for a run entered
 from the same native stack address: the pool is keyed by the stack pointer
-of the launcher's loop, read with ``getcontext`` where the layout is known
-(x86-64 Linux with glibc). Elsewhere, and under a trace or profile function,
-every coroutine is new.
+of the launcher's loop, read with ``_setjmp`` where the layout is known
+(x86-64 Linux with glibc, which stores it mangled: a key all the same).
+Elsewhere, and under a trace or profile function, every coroutine is new.
 """
 
 from __future__ import annotations
 
 import contextvars
 import ctypes
+import functools
+import os
 import platform
 import sys
+import sysconfig
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -49,25 +55,26 @@ _PER_SITE = 8  # parked coroutines per stack address
 
 
 def _stack_pointer_reader() -> Callable[[], int] | None:
-    """A function that returns the native stack pointer where it is called, or None."""
+    """A function that returns a key of the native stack pointer where it is called, or None."""
     if sys.platform != "linux" or platform.machine() != "x86_64":
         return None
     try:
-        getcontext = ctypes.PyDLL(None).getcontext  # PyDLL: the GIL stays held
-    except (OSError, AttributeError):  # not glibc
+        libc = ctypes.PyDLL(None)  # PyDLL: the GIL stays held
+        libc.gnu_get_libc_version  # noqa: B018 - glibc, whose jmp_buf layout is known
+        setjmp = libc._setjmp
+    except (OSError, AttributeError):
         return None
-    getcontext.argtypes = [ctypes.c_void_p]
-    getcontext.restype = ctypes.c_int
+    setjmp.restype = None  # it returns 0 (it is never jumped back to)
     local = threading.local()
 
     def read() -> int:
         slot = getattr(local, "slot", None)
         if slot is None:
-            context = ctypes.create_string_buffer(1024)  # a ucontext_t (936 bytes)
-            # uc_mcontext.gregs[REG_RSP]: after uc_flags, uc_link, uc_stack (40 bytes), 15 registers on.
-            slot = local.slot = (ctypes.addressof(context), ctypes.c_uint64.from_buffer(context, 160), context)
-        getcontext(slot[0])
-        return slot[1].value
+            # A jmp_buf: rbx, rbp, r12-r15, then the stack pointer (mangled by the pointer guard).
+            buffer = (ctypes.c_uint64 * 64)()
+            slot = local.slot = (ctypes.byref(buffer), buffer)
+        setjmp(slot[0])
+        return slot[1][6]
 
     return read
 
@@ -80,27 +87,25 @@ _stack_pointer = _stack_pointer_reader()
 
 class _Coroutine(greenlet.greenlet):
     """A driver or a body. ``site``: the stack address of the loop that first entered it;
-    ``launcher`` (a driver's): the coroutine whose :func:`drive` loop waits for it."""
+    ``launcher``: while it runs, the coroutine whose :func:`drive` loop anchors its run."""
 
     site: int | None
     launcher: greenlet.greenlet | None
 
 
-_parked = threading.local()
+class _Thread(threading.local):
+    """Per thread: the parked coroutines by site (in the order the sites were used) and the
+    thread's root greenlet."""
+
+    def __init__(self) -> None:
+        self.pools: dict[int, list[_Coroutine]] = {}
+        root = getcurrent()
+        while root.parent is not None:
+            root = root.parent
+        self.root = root
 
 
-def _pools() -> dict[int, list[_Coroutine]]:
-    pools = getattr(_parked, "pools", None)
-    if pools is None:
-        pools = _parked.pools = {}
-    return pools
-
-
-def _root() -> greenlet.greenlet:
-    root = getcurrent()
-    while root.parent is not None:
-        root = root.parent
-    return root
+_thread = _Thread()
 
 
 def _run_jobs(job: Callable[[], Any]) -> Any:
@@ -109,11 +114,12 @@ def _run_jobs(job: Callable[[], Any]) -> Any:
     while True:
         result = job()
         job = None  # type: ignore[assignment]  # hold nothing of the user's while parked
+        me.launcher = None
         receiver = me.parent
         if not _park(me):
             return result  # ends, which hands ``result`` to the parent
         # Parked under the thread's root, so a parked coroutine keeps no driver alive.
-        me.parent = _root()
+        me.parent = _thread.root
         me.gr_context = None
         job = receiver.switch(result)
         if job is None:  # ended to make room
@@ -125,7 +131,7 @@ def _park(me: _Coroutine) -> bool:
     site = me.site
     if site is None:
         return False
-    pools = _pools()
+    pools = _thread.pools
     pool = pools.get(site)
     if pool is None:
         if len(pools) >= _SITES:
@@ -145,7 +151,7 @@ def _make_room(site: int, root: greenlet.greenlet) -> None:
     which enters it to raise ``GreenletExit``) moves the frames above its base
     off the stack, and during a run those are the running launchers'.
     """
-    pools = _pools()
+    pools = _thread.pools
     if site in pools or len(pools) < _SITES:
         return
     for glet in pools.pop(next(iter(pools))):
@@ -157,7 +163,7 @@ def _make_room(site: int, root: greenlet.greenlet) -> None:
 def _take(site: int | None) -> _Coroutine:
     """A coroutine first entered from ``site``: a parked one, or a new one."""
     if site is not None:
-        pools = _pools()
+        pools = _thread.pools
         pool = pools.pop(site, None)
         if pool is not None:
             pools[site] = pool  # last: the dict keeps its sites in the order they were used
@@ -175,33 +181,35 @@ def _take(site: int | None) -> _Coroutine:
 
 
 class _Launch:
-    """What a driver sends its launcher: enter ``glet`` with ``job``."""
+    """What a coroutine of a run sends its launcher: enter the new coroutine ``glet`` with
+    ``job``; ``sender`` waits for its answer."""
 
-    __slots__ = ("glet", "job")
+    __slots__ = ("glet", "job", "sender")
 
-    def __init__(self, glet: greenlet.greenlet, job: Any):
+    def __init__(self, glet: greenlet.greenlet, job: Any, sender: greenlet.greenlet):
         self.glet = glet
         self.job = job
+        self.sender = sender
 
 
-class _Finished:
-    __slots__ = ("result",)
-
-    def __init__(self, result: Any):
-        self.result = result
+_PENDING = object()  # no reply yet
 
 
 def drive(job: Callable[[], T]) -> T:
     """Run ``job`` (a model call, an engine run) as a run's driver, in a coroutine.
 
-    This frame enters the driver and every body the driver starts with
-    :func:`launch`, all from the one ``switch`` below, and waits there until
-    the driver's job returns; the job must leave no body suspended (each run
-    unwinds its bodies when it ends). The driver runs in the caller's
-    ``contextvars`` context, as the job would in place. Returns what ``job``
-    returns; what it raises propagates from here.
+    This frame enters the driver (and every new coroutine of the run) from
+    the one ``switch`` below, and waits there until the driver's job returns;
+    the job must leave no body suspended (each run unwinds its bodies when it
+    ends). The driver runs in the caller's ``contextvars`` context, as the job
+    would in place. Returns what ``job`` returns; what it raises propagates
+    from here. Called from a coroutine of a running run, ``job`` runs in place:
+    that coroutine is already anchored under the run's launcher, and so are
+    the bodies it launches.
     """
     launcher = getcurrent()
+    if getattr(launcher, "launcher", None) is not None:
+        return job()
     profiler = sys.getprofile()
     if profiler is not None or sys.gettrace() is not None:
         # Under a trace or profile function, new coroutines only: each one's first event is its
@@ -230,31 +238,52 @@ def _run(job: Callable[[], T], launcher: greenlet.greenlet, site: int | None) ->
         context = launcher.gr_context
     driver.gr_context = context
     target: greenlet.greenlet = driver
-    value: Any = _DriverJob(job)
-    reply: Any = None
+    value: Any = job
+    reply: Any = _PENDING
     while True:
         try:
             while True:
                 reply = target.switch(value)  # the one switch that enters this run's coroutines
-                if type(reply) is _Launch:
-                    target, value = reply.glet, reply.job
-                elif type(reply) is _Finished:
-                    return reply.result
-                else:
-                    raise RuntimeError(f"backlens: a live run's driver switched to its launcher with {reply!r}")
+                if type(reply) is not _Launch:
+                    return reply  # the driver's job returned
+                target, value = reply.glet, reply.job
         except BaseException as exc:
-            if driver.dead or type(reply) is _Finished:
+            if driver.dead or (reply is not _PENDING and type(reply) is not _Launch):
                 raise  # the driver's job raised it, or the run is over
-            # Raised here between switches (a Ctrl-C): the driver unwinds its run as if its
-            # launch had raised it, and reports it as it reports a failed run.
-            target, value = driver, _Interrupted(exc)
+            # Raised here between switches (a Ctrl-C): the coroutine waiting for this loop
+            # unwinds its run as if its launch had raised it (the driver, before it began:
+            # as its job), and reports it as it reports a failed run.
+            target = reply.sender if reply is not _PENDING else driver
+            value = _Interrupted(exc)
 
 
 def _python_profile(profiler: Any) -> Any:
-    """The standard library's pure-Python ``profile.Profile`` behind a profile function, or None."""
-    module = sys.modules.get("profile")
+    """The standard library's pure-Python ``profile.Profile`` behind a profile function, or None.
+
+    Under ``python -m profile script.py`` that class is ``__main__.Profile``
+    (the module ran as the main one), so it is known by the file it comes from.
+    """
     owner = getattr(profiler, "__self__", None)
-    return owner if module is not None and isinstance(owner, module.Profile) else None
+    if owner is None:
+        return None
+    for cls in type(owner).__mro__:
+        if cls.__name__ == "Profile" and _is_stdlib_profile(sys.modules.get(cls.__module__)):
+            return owner
+    return None
+
+
+def _is_stdlib_profile(module: Any) -> bool:
+    if module is None:
+        return False
+    if module is sys.modules.get("profile"):
+        return True
+    file = getattr(module, "__file__", None)
+    return file is not None and os.path.normcase(os.path.realpath(file)) == _stdlib_profile_file()
+
+
+@functools.cache
+def _stdlib_profile_file() -> str:
+    return os.path.normcase(os.path.realpath(os.path.join(sysconfig.get_path("stdlib"), "profile.py")))
 
 
 class _ProfileStacks:
@@ -301,8 +330,8 @@ class _ProfileStacks:
 
 
 class _Interrupted:
-    """Sent to a driver that its launcher was interrupted: raised where the driver waits
-    (its launch), or as its job if it had not begun."""
+    """Sent to a coroutine waiting for its launcher that the launcher was interrupted:
+    raised where it waits (its launch), or as its job if it had not begun (a driver)."""
 
     __slots__ = ("error",)
 
@@ -313,39 +342,29 @@ class _Interrupted:
         raise self.error
 
 
-class _DriverJob:
-    __slots__ = ("job",)
-
-    def __init__(self, job: Callable[[], Any]):
-        self.job = job
-
-    def __call__(self) -> _Finished:
-        me = getcurrent()
-        try:
-            return _Finished(self.job())
-        finally:
-            self.job = None  # type: ignore[assignment]
-            me.launcher = None
-
-
 def launch(job: Callable[[], Any], context: contextvars.Context) -> tuple[greenlet.greenlet, Any]:
-    """From a driver: run ``job`` in a new body coroutine, in ``context``; its return goes to the driver.
+    """From a coroutine driving a run: run ``job`` in a body coroutine, in ``context``; its
+    return goes to the caller.
 
-    Entered by the driver's launcher; returns the coroutine and what is next
-    switched to the driver (the body's first request, or its end).
+    A parked coroutine first entered from this run's launcher site is entered
+    from here; a new one by the launcher. Returns the coroutine and what it
+    next switched to the caller (the body's first request, or its end).
     """
     driver = getcurrent()
     launcher = getattr(driver, "launcher", None)
     if launcher is None:
-        raise RuntimeError("backlens: a live body was started outside a run's driver (live.launch.drive)")
+        raise RuntimeError("backlens: a live body was started outside a run (live.launch.drive)")
     glet = _take(driver.site)
     glet.parent = driver
     glet.gr_context = context
-    reply = launcher.switch(_Launch(glet, job))
+    glet.launcher = launcher
+    if glet:  # parked: anchored under this launcher's switch when it was new
+        return glet, glet.switch(job)
+    reply = launcher.switch(_Launch(glet, job, driver))
     if type(reply) is _Interrupted:
         raise reply.error
     return glet, reply
 
 
 # Frames at the head of a coroutine's traceback that are only this plumbing.
-PLUMBING = {_run_jobs.__code__, _DriverJob.__call__.__code__}
+PLUMBING = {_run_jobs.__code__}

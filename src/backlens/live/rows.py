@@ -41,8 +41,12 @@ def take(
     (A plain recursive function: a closure calling itself would be a
     reference cycle holding the model's activations until a collection.)
     """
+    if rows is None:  # the whole batch: the value itself, its tensors remembered
+        if on_tensor is not None:
+            _each_tensor(value, on_tensor)
+        return value
     if isinstance(value, torch.Tensor):
-        if rows is None or not _is_batched(value, batch):
+        if not _is_batched(value, batch):
             if on_tensor is not None:
                 on_tensor(value, value)
             return value
@@ -55,6 +59,17 @@ def take(
     if isinstance(value, Mapping):
         return _rebuild_mapping(value, {k: take(v, rows, batch, on_tensor) for k, v in value.items()})
     return value
+
+
+def _each_tensor(value: Any, on_tensor: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+    if isinstance(value, torch.Tensor):
+        on_tensor(value, value)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            _each_tensor(item, on_tensor)
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            _each_tensor(item, on_tensor)
 
 
 def put(full: Any, part: Any, rows: Rows | None, batch: int, site: str) -> Any:

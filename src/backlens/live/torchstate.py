@@ -196,14 +196,28 @@ def single_threaded_engine() -> Any:
     is done only once an accelerator is in use in this process.
     """
     if not _accelerator_in_use():
-        return contextlib.nullcontext()
+        return _NOTHING
     return torch.autograd.set_multithreading_enabled(False)
 
 
+_NOTHING = contextlib.nullcontext()
+
+
 def _accelerator_in_use() -> bool:
-    for name in ("cuda", "xpu", "mtia"):
-        initialized = getattr(getattr(torch, name, None), "is_initialized", None)
+    for module in _accelerator_modules():
+        initialized = getattr(module, "is_initialized", None)
         if initialized is not None and initialized():
             return True
+    return _mps_available()
+
+
+@functools.cache
+def _accelerator_modules() -> tuple[Any, ...]:
+    return tuple(module for module in (getattr(torch, name, None) for name in ("cuda", "xpu", "mtia")) if module is not None)
+
+
+@functools.cache
+def _mps_available() -> bool:
+    """Whether this machine has an MPS device (fixed for the process)."""
     mps = getattr(torch.backends, "mps", None)
     return bool(mps is not None and mps.is_available())
