@@ -29,7 +29,7 @@ from backlens.monitoring.alerts import Alert, SpikeWatch, nonfinite_alert, spike
 from backlens.monitoring.layout import Layout, layout_of, unwrapped
 from backlens.monitoring.options import Options
 from backlens.monitoring.outputs import OutputWatch, watch_module_outputs
-from backlens.monitoring.rows import SeriesIds, StepValues, first_nonfinite_output, step_rows
+from backlens.monitoring.rows import RowPlans, SeriesIds, StepValues, first_nonfinite_output
 from backlens.monitoring.series import Series, Store
 from backlens.monitoring.sinks import CallableSink, Sink
 from backlens.monitoring.stats import ParamCopies, StepWork, local
@@ -69,6 +69,7 @@ class Monitor:
         self._spikes = SpikeWatch(options.spike_factor, options.window)
         self._rank, self._world = self._place()
         self._ids = SeriesIds.make(self._series, self._layout, self._stats)
+        self._plans = RowPlans(self._layout, self._ids, self._stats)
         self._handles: list[Any] = []
         self._scaler_step: Any = None
         self._outputs: OutputWatch | None = None
@@ -251,11 +252,13 @@ class Monitor:
         """Statistics of the gradients as the optimizer gets them, on the device; with ``copy``,
         the parameters the optimizer is about to update, for the update ratio."""
         layout, stats = self._layout, self._stats
-        present = np.array([i for i, p in enumerate(layout.params) if p.grad is not None], dtype=np.int64)
+        every_grad = [p.grad for p in layout.params]
+        having = [i for i, grad in enumerate(every_grad) if grad is not None]
+        present = np.array(having, dtype=np.int64)
         work = StepWork(layout, self._rank, self._world)
         self._work = work
         with torch.no_grad():
-            grads = [local(layout.params[i].grad) for i in present]
+            grads = [local(every_grad[i]) for i in having]
             work.present = present
             if len(present):
                 work.grad_stats(present, grads, norm="norm" in stats or "absmax" not in stats,
@@ -316,7 +319,7 @@ class Monitor:
             fire_norms = fire_norms / loss_scale
         step = StepValues(work.present, work.copied, read, self._count_nonfinite(work.present, read),
                           fired_at, fire_norms, skipped)
-        ids, values = step_rows(layout, self._ids, self._stats, step)
+        ids, values = self._plans.step_rows(step)
         if not skipped:  # a step the scaler skipped: its infinities were handled, and it set no baseline
             self._alerts_of(step, ids, values, alerts)
         return ids, values
