@@ -15,6 +15,7 @@ operations on its values.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -55,10 +56,20 @@ class StepValues:
     present: np.ndarray  # parameters with a gradient
     copied: np.ndarray  # parameters whose update was measured
     read: dict[str, np.ndarray]  # "norm", "absmax", "wnorm", "dnorm" per parameter
-    counts: np.ndarray  # non-finite values per parameter
+    counts: np.ndarray | None  # non-finite values per parameter (None: every gradient was finite)
     fired: np.ndarray  # module position of each output gradient, in backward order
     fire_norms: np.ndarray  # its norm (unscaled)
     skipped: bool
+    finite: bool = False  # every norm and max |g| known finite, and so the norms' squares
+
+
+class StepRows(NamedTuple):
+    """A step's rows (series ids and values), and those of them watched for spikes."""
+
+    ids: np.ndarray
+    values: np.ndarray
+    watched_ids: np.ndarray
+    watched_values: np.ndarray
 
 
 class Rollup:
@@ -71,9 +82,10 @@ class Rollup:
         self.members = inside[self.held]
         self.ones = self.members.astype(np.float64)
 
-    def norm(self, norms: np.ndarray) -> np.ndarray:
+    def norm(self, norms: np.ndarray, finite: bool = False) -> np.ndarray:
+        """``finite``: every norm's square known finite (one matrix product does)."""
         squares = np.square(norms)
-        if np.isfinite(squares).all():
+        if finite or np.isfinite(squares).all():
             return np.sqrt(self.ones @ squares)
         return rollup.norm_over(self.members, norms)
 
@@ -81,8 +93,6 @@ class Rollup:
         return rollup.max_over(self.members, values)
 
     def total(self, values: np.ndarray) -> np.ndarray:
-        if not values.any():
-            return np.zeros(len(self.held))
         return rollup.sum_over(self.members, values)
 
 
@@ -93,6 +103,8 @@ class RowPlan:
     def __init__(self, layout: Layout, series_ids: SeriesIds, stats: tuple[str, ...], present: np.ndarray,
                  copied: np.ndarray):
         self.present, self.copied, self.stats = present, copied, stats
+        every = np.arange(len(layout.params))
+        self.complete, self.all_copied = np.array_equal(present, every), np.array_equal(copied, every)
         self.grads = Rollup(layout.members, present)
         self.updates = Rollup(layout.members, copied)
         parts = []
@@ -104,30 +116,43 @@ class RowPlan:
                 parts += [series_ids.param[stat][present], series_ids.module[stat][self.grads.held]]
         self.ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
         self.ids.flags.writeable = False
+        self.watched = np.flatnonzero(series_ids.spiking[self.ids])
+        self.watched_ids = self.ids[self.watched]
+        self.watched_ids.flags.writeable = False
+        # The non-finite counts of a step whose gradients were all finite: parameters, then modules.
+        self.no_counts = np.zeros(len(present) + len(self.grads.held))
+        self.no_counts.flags.writeable = False
 
     def values(self, step: StepValues) -> np.ndarray:
         """The values of ``ids`` for this step."""
         present, copied, read = self.present, self.copied, step.read
+        # Every parameter had a gradient (was updated): the arrays as they are.
+        if self.complete:
+            present = slice(None)  # type: ignore[assignment]
+        if self.all_copied:
+            copied = slice(None)  # type: ignore[assignment]
         parts = []
         for stat in self.stats:
             if stat == "update_ratio":
-                if not len(copied):
+                if not len(self.copied):
                     continue
                 if step.skipped:  # the scaler skipped the step: no parameter moved
-                    parts += [np.zeros(len(copied)), np.zeros(len(self.updates.held))]
+                    parts += [np.zeros(len(self.copied)), np.zeros(len(self.updates.held))]
                     continue
                 moved, weights = read["dnorm"][copied], read["wnorm"][copied]
                 with np.errstate(divide="ignore", invalid="ignore"):
                     parts += [moved / weights, self.updates.norm(moved) / self.updates.norm(weights)]
                 continue
-            if not len(present):  # no gradient at all this step
+            if not len(self.present):  # no gradient at all this step
                 continue
             if stat == "norm":
                 values = read["norm"][present]
-                parts += [values, self.grads.norm(values)]
+                parts += [values, self.grads.norm(values, step.finite)]
             elif stat == "absmax":
                 values = read["absmax"][present]
                 parts += [values, self.grads.largest(values)]
+            elif step.counts is None:
+                parts.append(self.no_counts)
             else:
                 values = step.counts[present]
                 parts += [values, self.grads.total(values)]
@@ -139,34 +164,40 @@ class RowPlans:
 
     def __init__(self, layout: Layout, series_ids: SeriesIds, stats: tuple[str, ...]):
         self.layout, self.series_ids, self.stats = layout, series_ids, stats
-        self._plans: dict[tuple[bytes, bytes], RowPlan] = {}
+        self._plans: dict[tuple[tuple[int, ...], tuple[int, ...]], RowPlan] = {}
 
-    def plan(self, present: np.ndarray, copied: np.ndarray) -> RowPlan:
-        key = (present.tobytes(), copied.tobytes())
+    def plan(self, present: list[int], copied: list[int]) -> RowPlan:
+        """The plan of a step whose parameters ``present`` had a gradient and ``copied`` were
+        measured (both in order)."""
+        key = (tuple(present), tuple(copied))
         found = self._plans.get(key)
         if found is None:
             if len(self._plans) >= PLANS_KEPT:
                 self._plans.clear()
-            found = self._plans[key] = RowPlan(self.layout, self.series_ids, self.stats, present, copied)
+            found = self._plans[key] = RowPlan(self.layout, self.series_ids, self.stats,
+                                               np.array(present, dtype=np.int64), np.array(copied, dtype=np.int64))
         return found
 
-    def step_rows(self, step: StepValues) -> tuple[np.ndarray, np.ndarray]:
+    def step_rows(self, plan: RowPlan, step: StepValues) -> StepRows:
         """The step's series ids and values."""
-        plan = self.plan(step.present, step.copied)
         values = plan.values(step)
         if not len(step.fired) and not step.skipped:
-            return plan.ids, values
+            return StepRows(plan.ids, values, plan.watched_ids, values[plan.watched])
         id_parts, value_parts = [plan.ids], [values]
+        watched_ids, watched_values = plan.watched_ids, values[plan.watched]
         if len(step.fired):
             called = len(self.layout.called)
             squares = np.bincount(step.fired, weights=np.square(step.fire_norms), minlength=called)
             positions = np.flatnonzero(np.bincount(step.fired, minlength=called))  # in the model's module order
-            id_parts.append(self.series_ids.output[positions])
-            value_parts.append(np.sqrt(squares[positions]))
+            output_ids, output_values = self.series_ids.output[positions], np.sqrt(squares[positions])
+            id_parts.append(output_ids)
+            value_parts.append(output_values)
+            watched_ids = np.concatenate([watched_ids, output_ids])  # output norms are all watched
+            watched_values = np.concatenate([watched_values, output_values])
         if step.skipped:
             id_parts.append(np.array([self.series_ids.skipped]))
             value_parts.append(np.ones(1))
-        return np.concatenate(id_parts), np.concatenate(value_parts)
+        return StepRows(np.concatenate(id_parts), np.concatenate(value_parts), watched_ids, watched_values)
 
 
 def first_nonfinite_output(layout: Layout, step: StepValues) -> str | None:
