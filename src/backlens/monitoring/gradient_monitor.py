@@ -43,6 +43,11 @@ from backlens.monitoring.stats import ParamCopies, StepWork, local
 if TYPE_CHECKING:
     import pandas as pd
 
+# A step without output gradients: made once (every numpy call costs after a backward).
+NO_POSITIONS = np.zeros(0, dtype=np.int64)
+NO_VALUES = np.zeros(0)
+NO_POSITIONS.flags.writeable = NO_VALUES.flags.writeable = False
+
 
 class Monitor:
     """Gradient statistics of a model across training steps (made by :func:`backlens.monitor`).
@@ -266,7 +271,7 @@ class Monitor:
         work.present = having
         with torch.no_grad():
             if having:
-                grads = [local(every_grad[i]) for i in having]
+                grads = [every_grad[i] for i in having]
                 work.grad_stats(having if len(having) < len(every_grad) else None, grads,
                                 norm="norm" in stats or "absmax" not in stats, absmax="absmax" in stats)
             optimizer = self._optimizer
@@ -307,7 +312,7 @@ class Monitor:
             if "update_ratio" in self._stats and work.copied and not skipped:
                 self._copies.measure(work, [layout.params[i] for i in work.copied])
             fired = self._outputs.take() if self._outputs is not None else None
-            fired_at = fired.positions if fired is not None else np.zeros(0, dtype=np.int64)
+            fired_at = fired.positions if fired is not None else NO_POSITIONS
             for slots, norms in fired.chunks if fired is not None else ():
                 work.put("fires", slots, norms, fired.size)
             read = work.read()
@@ -319,7 +324,7 @@ class Monitor:
                     read[key] = read[key] / scale
         if "found_inf" in read and read["found_inf"][0] > 0:
             skipped = True
-        fire_norms = read["fires"][fired.slots] if len(fired_at) else np.zeros(0)
+        fire_norms = read["fires"][fired.slots] if len(fired_at) else NO_VALUES
         loss_scale = self._loss_scale or scale
         if loss_scale:  # output gradients come from the backward of the scaled loss
             fire_norms = fire_norms / loss_scale

@@ -70,7 +70,7 @@ Indices = list[int] | np.ndarray | None
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """The values this process holds: a DTensor's local shard, a sparse tensor's values (called
     under ``torch.no_grad()``, so nothing here is recorded by autograd)."""
-    if type(tensor) in _PLAIN and tensor.layout == torch.strided:  # the usual case, asked cheaply
+    if type(tensor) in _PLAIN and not tensor.is_sparse:  # the usual case, asked cheaply
         return tensor
     to_local = getattr(tensor, "to_local", None)
     if to_local is not None:
@@ -82,6 +82,11 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _larger(top: float, bottom: float) -> float:
+    """The larger of two floats; NaN when either is NaN (both comparisons are false)."""
+    return top if top >= bottom else bottom if bottom > top else math.nan
 
 
 def _groups(tensors: list[torch.Tensor]) -> dict[tuple, list[int]]:
@@ -160,8 +165,10 @@ class StepWork:
             self.put(key, indices, torch.stack(norms).to(torch.float64).square())
 
     # -- kernels -----------------------------------------------------------------
-    def grad_stats(self, indices: Indices, tensors: list[torch.Tensor], norm: bool, absmax: bool) -> None:
-        """The L2 norm and max |g| of each tensor (max |g| exact in the tensor's dtype, 0 when empty)."""
+    def grad_stats(self, indices: Indices, grads: list[torch.Tensor], norm: bool, absmax: bool) -> None:
+        """The L2 norm and max |g| of each gradient (max |g| exact in its dtype, 0 when empty): of
+        the values this process holds (:func:`local`)."""
+        tensors = [local(g) for g in grads]
         on_cpu = [t.is_cpu for t in tensors]
         if all(on_cpu):
             self._grad_stats_on_cpu(indices, tensors, norm, absmax)
@@ -191,7 +198,10 @@ class StepWork:
     def _grad_stats_on_cpu(self, indices: Indices, tensors: list[torch.Tensor], norm: bool, absmax: bool) -> None:
         """One tensor at a time, each fetched from memory once (its norm) and found in cache by
         ``amax`` and ``amin``; each result read as a Python float, its finiteness noted on the
-        way (:attr:`finite`)."""
+        way (:attr:`finite`). Small tensors too: taking them together (one multi-tensor norm,
+        ``amax``/``amin`` over the rows of a stack) calls fewer kernels but more different ones,
+        and right after a backward each kernel's code comes from memory the first time, so it
+        measured slower (1.23 ms against 1.10 ms for GPT-2)."""
         norms, largest = Host(), Host()
         finite = True
         vector_norm = torch.linalg.vector_norm
@@ -204,12 +214,7 @@ class StepWork:
                 norms.append(value)
                 finite = finite and value < SQUARE_SAFE  # False for NaN too
             if absmax:
-                if tensor.numel():
-                    top, bottom = float(tensor.amax()), -float(tensor.amin())
-                    # The larger; NaN when either is NaN (both comparisons are false).
-                    value = top if top >= bottom else bottom if bottom > top else math.nan
-                else:
-                    value = 0.0
+                value = _larger(float(tensor.amax()), -float(tensor.amin())) if tensor.numel() else 0.0
                 largest.append(value)
                 finite = finite and value < math.inf
         if norm:
