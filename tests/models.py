@@ -30,6 +30,22 @@ class Double(torch.autograd.Function):
         return grad * 2
 
 
+class Sleepy(torch.autograd.Function):
+    """The identity, whose backward sleeps 0 to 30 ms at random: a noisy machine."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        import random
+        import time
+
+        time.sleep(random.uniform(0.0, 0.03))
+        return grad
+
+
 class MLP(nn.Module):
     def __init__(self, sizes=(6, 16, 16, 3)):
         super().__init__()

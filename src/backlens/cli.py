@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - one clear line unless --debug
         if args.debug:
             raise
-        from backlens._text import printable  # a message may quote a bundle's text
+        from backlens._console import printable  # a message may quote a bundle's text
 
         first = str(exc).splitlines()[0] if str(exc) else ""
         print(f"backlens {args.command}: {type(exc).__name__}: {printable(first)}", file=sys.stderr)
@@ -411,14 +411,13 @@ def _show(args) -> None:
     from rich.text import Text
 
     import backlens as bl
-    from backlens._console import stdout_options
-    from backlens._text import text_console
+    from backlens._console import text_console
     from backlens.errors import BundleError
     from backlens.report.profile import build_profile, html_report, rich_tables, summary_line
 
     check_output_path(args.html, "--html")
     check_output_path(args.timeline, "--timeline")
-    console = text_console(**stdout_options())  # a bundle's names are untrusted: printed as text, never as markup
+    console = text_console()  # a bundle's names are untrusted: printed as text, never as markup
     try:
         cap = bl.load(args.bundle)
     except BundleError as exc:
@@ -539,8 +538,9 @@ def _add_report_command(command) -> None:
 
 
 def _report(args) -> None:
-    from rich.console import Console
+    from rich.text import Text
 
+    from backlens._console import text_console
     from backlens.monitoring.sinks import read
     from backlens.report.grads import grads_report
 
@@ -561,10 +561,11 @@ def _report(args) -> None:
     name = os.path.basename(os.path.normpath(run))
     grads_report(frame, alerts, f"backlens monitor: {name}").write(out)
     steps = frame["step"].nunique()
-    Console().print(f"[bold]{run}[/bold]: {steps} recorded steps, {len(alerts)} alerts")
+    console = text_console()  # names read back from the run's files: text, never markup
+    console.print(Text.assemble((run, "bold"), f": {steps} recorded steps, {len(alerts)} alerts"))
     for alert in alerts[:10]:
-        Console().print(f"  {alert.message}")
-    Console().print(f"HTML report: {os.path.abspath(out)}")
+        console.print(f"  {alert.message}")
+    console.print(f"HTML report: {os.path.abspath(out)}")
 
 
 if __name__ == "__main__":

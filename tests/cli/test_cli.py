@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -23,33 +22,7 @@ HERE = Path(__file__).parent
 ACCEPTED = "accepted: an nn.Module, or a tuple (model, inputs, loss_fn)"
 
 
-@dataclass
-class Done:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-@pytest.fixture
-def run(capsys, monkeypatch):
-    """``run(*argv)``: the command's exit code and what it printed, as a user at a wide terminal sees it."""
-    monkeypatch.chdir(HERE)
-    monkeypatch.setenv("COLUMNS", "160")
-    threads = torch.get_num_threads()
-
-    def run(*args: str) -> Done:
-        capsys.readouterr()
-        try:
-            code = cli.main(list(args))
-        finally:
-            torch.set_num_threads(threads)
-        out, err = capsys.readouterr()
-        return Done(code, out, err)
-
-    return run
-
-
-def assert_one_clear_line(done: Done, *needles: str) -> None:
+def assert_one_clear_line(done, *needles: str) -> None:
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr

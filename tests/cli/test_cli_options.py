@@ -7,31 +7,12 @@ from pathlib import Path
 
 import pytest
 import tiny_factories
-import torch
 
 import backlens as bl
 from backlens import cli
 from backlens.report import profile as profile_module
 
 HERE = Path(__file__).parent
-
-
-@pytest.fixture
-def run(capsys, monkeypatch):
-    monkeypatch.chdir(HERE)
-    monkeypatch.setenv("COLUMNS", "160")
-    threads = torch.get_num_threads()
-
-    def run(*args: str):
-        capsys.readouterr()
-        try:
-            code = cli.main(list(args))
-        finally:
-            torch.set_num_threads(threads)
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return run
 
 
 def test_depth_5_lists_a_gpt2_attention_s_projection(run):

@@ -86,8 +86,25 @@ def test_show_prints_a_derived_bundle_s_text_as_text(tmp_path, capsys, monkeypat
 
 
 def test_show_names_the_bundle_in_bold_still(sound, capsys, monkeypatch):
-    from backlens._text import printable
+    from backlens._console import printable
 
     out = show(capsys, monkeypatch, sound)
     assert out.startswith(f"{sound}: ") and "backward passes" in out
     assert printable("a\x1b[2Jb\nc") == "a\\x1b[2Jb\\x0ac"
+
+
+@pytest.mark.parametrize("text", ["[/]", f"{ESC}[2J"], ids=["markup_closing_nothing", "screen_clearing_escape"])
+def test_report_prints_a_monitor_run_s_names_as_text(tmp_path, capsys, monkeypatch, text):
+    model = torch.nn.Sequential()
+    model.add_module(f"odd{text}", torch.nn.Linear(3, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(bl.BacklensWarning, match="non-finite"):
+        with bl.monitor(model, optimizer=optimizer, sink=str(tmp_path / "run.csv")):
+            x = torch.full((2, 3), float("nan"))
+            model(x).sum().backward()
+            optimizer.step()
+    monkeypatch.setenv("COLUMNS", "400")
+    assert cli.main(["report", str(tmp_path / "run.csv")]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "1 alerts" in out and ESC not in out
+    assert ("odd[/]" in out) if text == "[/]" else ("odd\\x1b[2J" in out)

@@ -104,23 +104,11 @@ def build_gpt2():
     return transformers.GPT2LMHeadModel(config)
 
 
-class Sleepy(torch.autograd.Function):
-    """The identity, whose backward sleeps 0 to 30 ms at random: a noisy machine."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        import random
-        import time
-
-        time.sleep(random.uniform(0.0, 0.03))
-        return grad
-
-
 def build_with_noisy_loss():
+    from models import (
+        Sleepy,  # tests/ is on the path in the test process (a plain `backlens` run needs none)
+    )
+
     torch.manual_seed(0)
     return Tiny(), torch.randn(3, 8), lambda out: Sleepy.apply(out.sum())
 

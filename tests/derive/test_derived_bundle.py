@@ -16,7 +16,7 @@ from torch_ports import mlp_input, mlp_weights
 import backlens as bl
 from backlens.derive import bundle as derived_bundle
 from backlens.derive import saving as derived_saving
-from backlens.io import replace
+from backlens.io import files, replace
 
 
 def mlp(p, x):
@@ -185,7 +185,7 @@ def test_a_newer_format_version_asks_for_an_upgrade(tmp_path, jax_grads):
 
 def test_a_large_manifest_is_recognised_by_its_opening(tmp_path, jax_grads, monkeypatch):
     path = jax_grads.save(tmp_path / "derived")
-    monkeypatch.setattr(derived_bundle, "_PARSE_WHOLE_BELOW", 64)
+    monkeypatch.setattr(files, "PEEK_WHOLE_BELOW", 64)
     assert derived_bundle.is_derived(path)
     assert_same_record(bl.load(path), jax_grads)
 

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
+
+from backlens.io import manifest as manifest_io
 
 
 def same_value(a, b) -> bool:
@@ -71,3 +76,12 @@ def assert_same_capture(live, loaded):
         assert_same_fields(a, b)
         assert [c.label for c in a.calls] == [c.label for c in b.calls]
     assert_same_tables(live, loaded)
+
+
+def reseal(path: Path, change) -> None:
+    """Edit a bundle's manifest in place (``change(body)``) and seal it with a correct checksum
+    again, as a careless tool or an attacker would."""
+    body = json.loads((Path(path) / "manifest.json").read_text())
+    body.pop("checksum")
+    change(body)
+    manifest_io.write(Path(path), body)

@@ -1,17 +1,17 @@
 """Kill a save at every step it takes to disk, and check what is left at its path.
 
-Run as a script: ``python kill_saves.py WORKDIR MODE`` with MODE one of
+Run as a script: ``python kill_saves.py WORKDIR MODE...`` with each MODE one of
 
 * ``save``: ``cap.save(path, overwrite=True)`` over an older bundle (atomic exchange);
 * ``save_fallback``: the same where the OS has no atomic exchange (two renames);
 * ``to_disk``: a ``storage=bl.to_disk(path, overwrite=True)`` capture over an older bundle.
 
-It imports torch once, then forks one child per kill point. The child counts
+It imports torch once, then forks one child per kill point of each mode. The child counts
 the file system steps the operation takes (creating, syncing, renaming,
 exchanging, removing) and SIGKILLs itself right before or right after the
 N-th. After each kill the parent loads the path (it must hold the old bundle
 or the new one, whole), notes the leftovers beside it, saves again to the
-same path (which must remove them) and prints one JSON line per point.
+same path (which must remove them) and prints one JSON line per point, naming its mode.
 """
 
 from __future__ import annotations
@@ -121,10 +121,16 @@ def in_child(mode: str, path: Path, kill_at: int | None, after: bool) -> int:
     return int(told)
 
 
-def main(workdir: Path, mode: str) -> None:
+def main(workdir: Path, modes: list[str]) -> None:
     torch.set_num_threads(1)  # forked children run no thread pool of the parent's
-    if mode == "save_fallback":
-        replace._EXCHANGE = None
+    exchange = replace._EXCHANGE
+    for mode in modes:
+        replace._EXCHANGE = None if mode == "save_fallback" else exchange
+        kill_at_every_step(workdir / mode, mode)
+
+
+def kill_at_every_step(workdir: Path, mode: str) -> None:
+    workdir.mkdir()
     path = workdir / "bundle"
     old_cap = capture_of(0)
     old, new = grads_of(old_cap), grads_of(capture_of(1))
@@ -144,10 +150,10 @@ def main(workdir: Path, mode: str) -> None:
         found = which(path, old, new)
         left = leftovers(path)
         reset()  # the next save to the path
-        print(json.dumps({"step": kill_at, "after": after, "killed": killed, "found": found, "leftovers": left,
+        print(json.dumps({"mode": mode, "step": kill_at, "after": after, "killed": killed, "found": found, "leftovers": left,
                           "leftovers_after_next_save": leftovers(path),
                           "after_next_save": which(path, old, new)}), flush=True)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2])
+    main(Path(sys.argv[1]), sys.argv[2:])

@@ -40,9 +40,9 @@ json_values = st.recursive(
 
 @pytest.fixture(scope="module")
 def sound(tmp_path_factory):
-    """A small bundle (one shard) and its manifest body, without the checksum."""
+    """A small bundle (one shard, a memory record) and its manifest body, without the checksum."""
     torch.manual_seed(0)
-    cap = bl.capture(MLP(), torch.randn(2, 6), save_grads=True, save_activations=bl.func("relu"))
+    cap = bl.capture(MLP(), torch.randn(2, 6), save_grads=True, save_activations=bl.func("relu"), memory=True)
     loss = loss_of(cap.output)
     loss.backward(retain_graph=True)
     cap.backward(loss * 2, save_grads=bl.func("linear") & bl.in_pass(2))
@@ -96,6 +96,12 @@ def exercise(loaded) -> None:
     bl.report.backward_status(loaded)
     bl.report.cost_tree(loaded)
     bl.report.timeline(loaded)
+    if loaded.memory is not None:
+        loaded.memory.to_pandas()
+        for backward_pass in loaded.passes:
+            memory = backward_pass.memory
+            memory.peak_bytes, memory.peak_at, memory.held_at_peak, list(memory.samples)  # noqa: B018
+        bl.report.memory_plan(loaded)
 
 
 def load_and_read(path: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -228,3 +229,21 @@ def test_a_record_kept_after_its_loaded_capture_is_dropped_still_reads(gpt2_bund
     assert torch.equal(op.grad_for(pass_=2), live.ops[label].grad_for(pass_=2))
     assert op.grad_fn.label == live.ops[label].grad_fn.label
     assert len(op.grad_fn.calls) == len(live.ops[label].grad_fn.calls)
+
+
+def test_a_bundle_written_by_format_version_2_loads_with_its_records_and_gradients():
+    # tests/io/data/format_v2 was written by backlens at format version 2 (before memory and
+    # clock fields existed) from this model, input and loss.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    x = torch.randn(3, 4, requires_grad=True)
+    model(x).square().sum().backward()
+    loaded = load(Path(__file__).parent / "data" / "format_v2")
+    assert loaded.format_version == manifest_io.FORMAT_VERSION
+    assert loaded.ops.labels() == ["linear_1", "relu_1", "linear_2"]
+    assert loaded.ops["linear_2"].parents == ["relu_1"]
+    for name, param in model.named_parameters():
+        assert torch.equal(loaded.params[name].grad, param.grad), name
+    assert torch.equal(loaded.inputs[0].grad, x.grad)
+    assert torch.equal(loaded.ops["relu_1"].activation, torch.relu(model[0](x)).detach())
+    assert loaded.memory is None and loaded.ops["relu_1"].call_site is None

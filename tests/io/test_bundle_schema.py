@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from bundle_checks import assert_same_capture, same_value
+from bundle_checks import assert_same_capture, reseal, same_value
 
 import backlens as bl
 from backlens.io import manifest as manifest_io
@@ -55,13 +55,6 @@ def test_a_saved_loaded_capture_saves_the_same_manifest_sections(eventful, tmp_p
     first, second = (json.loads((p / "manifest.json").read_text()) for p in (path, again))
     skip = {"created", "tensors", "checksum"}
     assert {k: v for k, v in first.items() if k not in skip} == {k: v for k, v in second.items() if k not in skip}
-
-
-def reseal(path, change):
-    manifest = json.loads((path / "manifest.json").read_text())
-    manifest.pop("checksum")
-    change(manifest)
-    manifest_io.write(path, manifest)
 
 
 def copy_of(path, tmp_path):

@@ -20,16 +20,22 @@ from models import MLP, loss_of
 SCRIPT = Path(__file__).with_name("kill_saves.py")
 
 
-def killed_saves(tmp_path: Path, mode: str) -> list[dict]:
-    done = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), mode], capture_output=True, text=True,
-                          timeout=300)
+MODES = ("save", "save_fallback", "to_disk")
+
+
+@pytest.fixture(scope="module")
+def killed_saves(tmp_path_factory) -> dict[str, list[dict]]:
+    """Each mode's kill points, from one process (it imports torch once for all three)."""
+    done = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path_factory.mktemp("killed")), *MODES],
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads(line) for line in done.stdout.splitlines()]
+    points = [json.loads(line) for line in done.stdout.splitlines()]
+    return {mode: [point for point in points if point["mode"] == mode] for mode in MODES}
 
 
-@pytest.mark.parametrize("mode", ["save", "save_fallback", "to_disk"])
-def test_a_save_killed_at_any_step_leaves_the_old_or_the_new_bundle(tmp_path, mode):
-    points = killed_saves(tmp_path, mode)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_save_killed_at_any_step_leaves_the_old_or_the_new_bundle(killed_saves, mode):
+    points = killed_saves[mode]
     assert len(points) >= 16
     for point in points:
         assert point["found"] in ("old", "new"), point

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from bundle_checks import reseal
 
 import backlens as bl
 from backlens.io import manifest as manifest_io
@@ -100,13 +101,6 @@ def test_a_string_of_escapes_that_never_ends_is_read_in_bounded_time_and_memory(
     (bomb / "manifest.json").write_bytes(b'{"format": "' + b'\\"' * (4 * MiB))
     error = load_under_limit(bomb, limit=3 * 8 * MiB)
     assert error.code == "bundle_corrupt" and "Unterminated string" in str(error)
-
-
-def reseal(path: Path, change) -> None:
-    body = json.loads((path / "manifest.json").read_text())
-    body.pop("checksum")
-    change(body)
-    manifest_io.write(path, body)
 
 
 def test_a_world_size_of_2_to_the_62_is_refused_before_anything_is_built_per_rank(tmp_path, sound):

@@ -75,6 +75,23 @@ def test_a_save_with_overwrite_replaces_a_bundle_of_either_kind(tmp_path):
     assert_same_capture(cap, bl.load(tmp_path / "b"))
 
 
+@pytest.mark.parametrize("how", ["save", "to_disk"])
+def test_a_bundle_holding_a_user_s_files_beside_its_own_is_not_replaced(tmp_path, how):
+    small_capture().save(tmp_path / "b")
+    (tmp_path / "b" / "notes.txt").write_text("what I found in this run")
+    before = listing(tmp_path / "b")
+    (tmp_path / "b" / "figures").mkdir()
+    with pytest.raises(bl.BundleError) as info:
+        if how == "save":
+            small_capture(seed=1).save(tmp_path / "b", overwrite=True)
+        else:
+            bl.capture(MLP(), torch.randn(4, 6), storage=bl.to_disk(tmp_path / "b", overwrite=True))
+    assert info.value.code == "bundle_holds_other_files"
+    assert "'notes.txt'" in str(info.value) and "'figures'" in str(info.value)
+    (tmp_path / "b" / "figures").rmdir()  # still there, and empty, as left
+    assert listing(tmp_path / "b") == before
+
+
 def test_a_leftover_named_like_a_save_s_but_holding_other_files_is_left_alone(tmp_path):
     mine = tmp_path / ".b.partial-0123456789ab"
     mine.mkdir()
@@ -216,3 +233,15 @@ def test_checking_and_replacing_a_bundle_leaves_no_directory_listing_open(tmp_pa
         small_capture(1).save(tmp_path / "b", overwrite=True)
         gc.collect()
     assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
+
+
+def test_a_bundle_too_large_to_parse_when_checked_is_recognised_by_its_opening(tmp_path, monkeypatch):
+    from backlens.io import files, markers
+
+    cap = bl.capture(torch.nn.Linear(3, 2), torch.randn(2, 3))
+    path = cap.save(tmp_path / "b")
+    monkeypatch.setattr(files, "PEEK_WHOLE_BELOW", 64)
+    assert markers.holds_manifest(path)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "manifest.json").write_text(" " * 100 + '{"plugins": ["backlens.report"]}')
+    assert not markers.holds_manifest(tmp_path / "other")

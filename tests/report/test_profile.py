@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 import statistics
 import time
 
@@ -12,7 +11,11 @@ import torch
 import backlens as bl
 from backlens.report.display import flops_text
 from backlens.report.profile import build_profile, html_report, run_passes, summary_line
-from models import MLP
+from models import MLP, Sleepy
+
+# Passes of a tiny MLP last about 100 us, so their spread on a shared machine is often over 20% of
+# the median: the warning is the machine's, not these tests' subject (the sleeping ones assert it).
+pytestmark = pytest.mark.filterwarnings("ignore:Backward times are noisy")
 
 
 def profiled(repeats: int, **options):
@@ -123,22 +126,12 @@ def test_the_gantt_shows_the_pass_whose_module_times_are_nearest_their_medians()
     SleepOnce.sleep_on = {("a", 2), ("b", 3)}  # pass 2 is slow in a, pass 3 in b; pass 4 in neither
     SleepOnce.calls.clear()
     run_passes(cap, cap.output.sum(), 3, list(model.parameters()))
-    profile = build_profile(cap, "parts")
+    with pytest.warns(bl.BacklensWarning, match="interquartile range"):  # two of three passes slept
+        profile = build_profile(cap, "parts")
     durations = {p.number: p.duration for p in cap.passes}
     assert min(durations[2], durations[3]) > durations[4]  # the pass of median duration is a slow one
     assert profile.gantt.title.startswith("Backward timeline of pass 4:")
     assert "closest to their medians" in profile.gantt.note
-
-
-class Sleepy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(random.uniform(0.0, 0.03))
-        return grad
 
 
 class SleepOnce(torch.autograd.Function):

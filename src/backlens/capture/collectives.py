@@ -31,7 +31,6 @@ charged for them either.
 from __future__ import annotations
 
 import sys
-import time
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -47,8 +46,6 @@ from backlens.capture.comm_hooks import DdpBucketHook, RecordingComm, ddp_bucket
 from backlens.capture.state import CaptureState, CollectiveEntry, PassEntry
 from backlens.errors import BacklensWarning
 from backlens.graph.labels import owning_module
-
-_now = time.perf_counter_ns
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,6 @@ result is untouched.
 
 from __future__ import annotations
 
-import time
 import weakref
 from functools import partial
 from typing import Any
@@ -16,7 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-_now = time.perf_counter_ns
+from backlens import _torch
+from backlens._clock import now as _now
 
 # One hook per DDP model (DDP takes one, for good); None for a model with a hook of its own.
 _HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -102,14 +102,15 @@ def ddp_bucket_hook(ddp: Any) -> DdpBucketHook | None:
     if ddp in _HOOKS:
         return _HOOKS[ddp]
     hook = None
-    if not getattr(ddp, "_comm_hooks", None):
+    registered = _torch.ddp_comm_hooks(ddp)
+    if not registered:
         candidate = DdpBucketHook(getattr(ddp, "process_group", None))
-        hooks_before = list(getattr(ddp, "_comm_hooks", []))
+        hooks_before = list(registered or ())
         try:
             ddp.register_comm_hook(None, candidate.all_reduce)
-        except (RuntimeError, ValueError):  # a built-in hook is registered (in C++, not in _comm_hooks)
-            if hasattr(ddp, "_comm_hooks"):
-                ddp._comm_hooks[:] = hooks_before
+        except (RuntimeError, ValueError):  # a built-in hook is registered (in C++, not in that list)
+            if registered is not None:
+                registered[:] = hooks_before
         else:
             hook = candidate
             # A hook the user registers later runs inside ours instead of failing

@@ -30,7 +30,6 @@ Everything lands in a :class:`MemoryJournal` of plain data (the state's
 
 from __future__ import annotations
 
-import time
 import weakref
 from functools import partial
 from typing import Any
@@ -38,10 +37,10 @@ from typing import Any
 import torch
 
 from backlens import _torch
+from backlens._clock import now as _now
 from backlens._warn import warn
 
 _disable_torch_function = _torch.torch_function_disabled
-_now = time.perf_counter_ns
 Tensor = torch.Tensor
 Parameter = torch.nn.Parameter
 
@@ -127,7 +126,7 @@ class _StorageIndex:
         found = self._live.get(key)
         if found is not None and found[0]() is storage:
             return found[1]
-        if kind == "saved" and (isinstance(tensor, Parameter) or isinstance(tensor._base, Parameter)):
+        if kind == "saved" and (isinstance(tensor, Parameter) or isinstance(_torch.view_base(tensor), Parameter)):
             kind = "param"  # a parameter the model does not register (FSDP2's unsharded ones), or a view of one
         index = self._journal.add_storage(storage.nbytes(), kind)
         try:

@@ -22,16 +22,15 @@ incomplete by nature (its verdict is ``unknown``).
 from __future__ import annotations
 
 import threading
-import time
 import weakref
 from typing import Any
 
 import torch
 
 from backlens import _torch
+from backlens._clock import now as _now
 from backlens.cost.checkpoints import CheckpointEntry, CheckpointJournal, RecomputeEntry
 
-_now = time.perf_counter_ns
 _task_id = _torch.graph_task_id_function()
 
 NO_HOOK_CLASS = ("this torch has no torch.utils.checkpoint._checkpoint_hook, so non-reentrant "

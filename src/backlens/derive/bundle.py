@@ -26,12 +26,11 @@ from backlens._version import __version__
 from backlens.derive.record import EXACT, DerivedGrads, IntermediateGrad, IntermediateGrads
 from backlens.derive.saving import DTYPES, FORMAT, FORMAT_VERSION, KIND, MANIFEST, TENSORS, checksum
 from backlens.errors import BundleError
-from backlens.io.files import BundleDir, parse_json, read_exact
+from backlens.io.files import BundleDir, parse_json, peek_manifest, read_exact
 
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 MAX_MANIFEST_MEMORY = 384 * 1024 * 1024  # what reading the manifest may take (io/files.parse_json)
 MAX_SHAPE_PRODUCT = 2**62  # sizes multiplying past this overflow numpy's and torch's 64-bit sizes
-_PARSE_WHOLE_BELOW = 1024 * 1024
 _OPENING = re.compile(rb'\A\s*\{\s*"format"\s*:\s*"backlens\.derived"\s*,\s*"kind"\s*:\s*"derived"')
 
 
@@ -42,22 +41,13 @@ def is_derived(root: str | os.PathLike) -> bool:
     A small manifest is parsed; a large one is recognised by its opening, which
     derive/saving.py always writes ``{"format": "backlens.derived", "kind": "derived"``.
     """
-    try:
-        directory = BundleDir(root)
-        info = directory.lstat(MANIFEST)
-        if info is None:
-            return False
-        descriptor = directory.open(MANIFEST)
-        try:
-            head = read_exact(descriptor, min(info.st_size, _PARSE_WHOLE_BELOW), 0, directory.path(MANIFEST))
-        finally:
-            os.close(descriptor)
-        if info.st_size <= _PARSE_WHOLE_BELOW:
-            manifest = parse_json(bytes(head), directory.path(MANIFEST), "manifest")
-            return isinstance(manifest, dict) and manifest.get("kind") == KIND
-    except BundleError:
+    found = peek_manifest(root, MANIFEST)
+    if found is None:
         return False
-    return _OPENING.match(head) is not None
+    manifest, opening = found
+    if manifest is None:
+        return _OPENING.match(opening) is not None
+    return isinstance(manifest, dict) and manifest.get("kind") == KIND
 
 
 def load(root: str | os.PathLike, *, verify: bool = True) -> DerivedGrads:

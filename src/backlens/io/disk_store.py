@@ -30,7 +30,7 @@ from backlens.capture.store import MemoryStore
 from backlens.errors import BundleError, UnsupportedInputError
 from backlens.io import manifest as manifest_io
 from backlens.io.locks import StreamLock, refuse_if_streaming
-from backlens.io.markers import STREAM_MARKER_TEXT, is_bundle_dir
+from backlens.io.markers import STREAM_MARKER_TEXT, refuse_unless_replaceable
 from backlens.io.names import EXTRA_SHARDS, STREAM_LOCK, STREAM_MARKER
 from backlens.io.replace import Staging, clean_leftovers, put_in_place, recover, remove_old
 from backlens.io.shards import DEFAULT_SHARD_BYTES, ShardReader, ShardWriter, storable
@@ -100,10 +100,7 @@ def check_target(path: Path, overwrite: bool) -> bool:
     if not overwrite:
         raise BundleError(f"{path}: already exists and is not empty.", code="bundle_exists",
                           remedy="Choose a new path, or pass overwrite=True to replace the bundle there.")
-    if not is_bundle_dir(path):
-        raise BundleError(f"{path}: exists and is not a backlens bundle; refusing to replace it.",
-                          code="bundle_not_a_bundle",
-                          remedy="Choose a new path; overwrite=True only replaces bundles.")
+    refuse_unless_replaceable(path)
     refuse_if_streaming(path)
     return True
 

@@ -256,3 +256,28 @@ def parse_json(raw: bytes, path: Path, what: str, max_depth: int = MAX_JSON_DEPT
         raise damaged(f"{path}: malformed JSON in the {what}: {exc}.", code="bundle_duplicate_key") from None
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise damaged(f"{path}: malformed JSON in the {what} ({type(exc).__name__}: {str(exc)[:200]}).") from exc
+
+
+PEEK_WHOLE_BELOW = 1 << 20  # a manifest up to this size is parsed by peek_manifest; a larger one only opened
+
+
+def peek_manifest(root: str | os.PathLike, name: str = "manifest.json") -> tuple[Any, bytes] | None:
+    """A cheap look at a bundle directory's manifest that never raises: ``(parsed, b"")`` for a
+    manifest of up to ``PEEK_WHOLE_BELOW`` bytes, ``(None, opening)`` (its first
+    ``PEEK_WHOLE_BELOW`` bytes) for a larger one, None where there is no readable manifest.
+    A full, checked read is the loader's job."""
+    try:
+        directory = BundleDir(root)
+        info = directory.lstat(name)
+        if info is None:
+            return None
+        descriptor = directory.open(name)
+        try:
+            head = bytes(read_exact(descriptor, min(info.st_size, PEEK_WHOLE_BELOW), 0, directory.path(name)))
+        finally:
+            os.close(descriptor)
+        if info.st_size > PEEK_WHOLE_BELOW:
+            return None, head
+        return parse_json(head, directory.path(name), "manifest"), b""
+    except BundleError:
+        return None

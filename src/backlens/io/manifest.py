@@ -63,7 +63,8 @@ MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
 def _times_unknown(manifest: dict[str, Any]) -> dict[str, Any]:
     """Version 2 -> 3: version 3 adds when each forward op and module call ran, each op's
     call site, each ATen call's start and end and the clock offsets that put all times on
-    torch.profiler's clock; a version 2 bundle knows none of them (null)."""
+    torch.profiler's clock; a version 2 bundle knows none of them (null). The memory section
+    came late in version 2 (a bundle written before it has none: nothing was recorded)."""
     def each(section: Any) -> list:
         return section if isinstance(section, list) else []
 
@@ -82,6 +83,7 @@ def _times_unknown(manifest: dict[str, Any]) -> dict[str, Any]:
     for pass_cost in each(cost.get("passes") if isinstance(cost, dict) else None):
         if isinstance(pass_cost, dict) and isinstance(pass_cost.get("aten_ops"), dict):
             pass_cost["aten_ops"].update(start_ns=None, end_ns=None)
+    manifest.setdefault("memory", None)
     manifest["format_version"] = 3
     return manifest
 

@@ -8,6 +8,8 @@ backlens's own unfinished work:
   substring: ``{"plugins": ["backlens.report"]}`` is not one);
 * an unfinished ``bl.to_disk`` stream: its ``.backlens-stream`` marker is a
   regular file holding exactly what the stream writes there;
+* and never a bundle directory holding anything backlens does not write there
+  (a user's notes or report beside the bundle's files): :func:`refuse_unless_replaceable`;
 * what an interrupted save left beside a path (``.NAME.partial-TOKEN``,
   ``.NAME.old-TOKEN``): named as backlens names them and holding only files
   backlens writes (or a bundle).
@@ -25,12 +27,11 @@ import re
 from pathlib import Path
 
 from backlens.errors import BundleError
-from backlens.io.files import BundleDir, parse_json, read_exact
+from backlens.io.files import BundleDir, peek_manifest
 from backlens.io.names import MANIFEST, STREAM_MARKER
 
 STREAM_MARKER_TEXT = json.dumps({"format": "backlens.bundle-stream"})
 BUNDLE_FORMATS = ("backlens.bundle", "backlens.derived")
-_PARSE_WHOLE_BELOW = 1 << 20
 # How backlens writes a manifest (json.dump of a dict whose first key is "format"): a manifest too
 # large to parse here is recognised by this opening.
 _OPENING = re.compile(rb'\A\s*\{\s*"format"\s*:\s*"(backlens\.(?:bundle|derived))"\s*,')
@@ -42,21 +43,12 @@ _LEFTOVER = re.compile(r"\A\.(?P<name>.+)\.(?:partial|old)-[0-9a-f]{12}\Z")
 
 def holds_manifest(path: Path) -> bool:
     """Whether ``path`` is a directory whose ``manifest.json`` is a backlens bundle manifest."""
-    try:
-        directory = BundleDir(path)
-        info = directory.lstat(MANIFEST)
-        if info is None:
-            return False
-        descriptor = directory.open(MANIFEST)
-        try:
-            head = read_exact(descriptor, min(info.st_size, _PARSE_WHOLE_BELOW), 0, directory.path(MANIFEST))
-        finally:
-            os.close(descriptor)
-        if info.st_size > _PARSE_WHOLE_BELOW:
-            return _OPENING.match(head) is not None
-        manifest = parse_json(bytes(head), directory.path(MANIFEST), "manifest")
-    except BundleError:
+    found = peek_manifest(path, MANIFEST)
+    if found is None:
         return False
+    manifest, opening = found
+    if manifest is None:
+        return _OPENING.match(opening) is not None
     return isinstance(manifest, dict) and manifest.get("format") in BUNDLE_FORMATS
 
 
@@ -75,6 +67,27 @@ def holds_stream_marker(path: Path) -> bool:
 def is_bundle_dir(path: Path) -> bool:
     """Whether ``path`` holds a backlens bundle or an unfinished ``bl.to_disk`` stream."""
     return holds_stream_marker(path) or holds_manifest(path)
+
+
+def other_entries(path: Path) -> list[str]:
+    """The names in directory ``path`` that backlens does not write there (sorted)."""
+    with os.scandir(path) as entries:
+        return sorted(entry.name for entry in entries
+                      if not (entry.is_file(follow_symlinks=False) and _OWN_FILES.match(entry.name)))
+
+
+def refuse_unless_replaceable(path: Path) -> None:
+    """Raise unless ``path`` is a bundle (or stream) directory holding only what backlens writes:
+    ``overwrite=True`` replaces a bundle, never a user's files kept beside one."""
+    if not is_bundle_dir(path):
+        raise BundleError(f"{path}: exists and is not a backlens bundle; refusing to replace it.",
+                          code="bundle_not_a_bundle", remedy="Choose a new path; overwrite=True only replaces bundles.")
+    others = other_entries(path)
+    if others:
+        shown = ", ".join(repr(name) for name in others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        raise BundleError(f"{path}: is a backlens bundle that also holds {shown}, which backlens did not write; "
+                          "refusing to replace it.", code="bundle_holds_other_files",
+                          remedy="Move those files out of the bundle directory, or save to a new path.")
 
 
 def is_own_leftover(path: Path, target: Path) -> bool:

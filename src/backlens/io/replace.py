@@ -43,7 +43,12 @@ from pathlib import Path
 
 from backlens.errors import BundleError
 from backlens.io.locks import refuse_if_streaming
-from backlens.io.markers import holds_manifest, holds_stream_marker, is_bundle_dir, is_own_leftover
+from backlens.io.markers import (
+    holds_manifest,
+    holds_stream_marker,
+    is_own_leftover,
+    refuse_unless_replaceable,
+)
 from backlens.io.names import sibling
 
 try:
@@ -172,9 +177,7 @@ def put_in_place(staging: Staging, target: Path, overwrite: bool) -> Path | None
     if not overwrite:  # it appeared while the bundle was being written
         raise BundleError(f"{target}: already exists.", code="bundle_exists",
                           remedy="Choose a new path, or pass overwrite=True.")
-    if not is_bundle_dir(target):  # checked when the save began; what is there now is what goes
-        raise BundleError(f"{target}: exists and is not a backlens bundle; refusing to replace it.",
-                          code="bundle_not_a_bundle", remedy="Choose a new path; overwrite=True only replaces bundles.")
+    refuse_unless_replaceable(target)  # checked when the save began; what is there now is what goes
     refuse_if_streaming(target)  # never swap a directory out from under a capture streaming into it
     if exchange(staging.path, target):
         staging.release()
