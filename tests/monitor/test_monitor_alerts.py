@@ -127,6 +127,31 @@ def test_a_jump_within_the_factor_or_before_the_window_fills_is_no_spike():
     assert mon.alerts == []
 
 
+def test_a_zero_in_the_window_still_lets_a_spike_above_a_median_above_zero_alert():
+    model = nn.Linear(3, 1, bias=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with bl.monitor(model, window=5, spike_factor=10.0, stats=("norm",)) as mon:
+            for step in range(8):
+                size = {0: 0.0, 2: 0.0, 6: 100.0}.get(step, 1.0)  # a zero gradient at steps 0 and 2
+                model.weight.grad = torch.full((1, 3), size)
+                mon.step()
+    assert codes(caught) == ["gradient_spike"]
+    (alert,) = mon.alerts
+    assert (alert.step, alert.name) == (6, "weight")
+    window = mon.to_pandas().query("1 <= step < 6 and kind == 'param'").value.tolist()
+    assert min(window) == 0.0 and alert.baseline == statistics.median(window) > 0
+
+
+def test_a_median_of_zero_is_no_baseline():
+    model = nn.Linear(3, 1, bias=False)
+    with bl.monitor(model, window=5, spike_factor=10.0, stats=("norm",)) as mon:
+        for step in range(8):
+            model.weight.grad = torch.full((1, 3), 100.0 if step == 6 else 0.0)
+            mon.step()
+    assert mon.alerts == []
+
+
 def test_each_kind_warns_once_and_every_alert_reaches_on_alert():
     model = nn.Linear(3, 1, bias=False)
     heard = []

@@ -69,43 +69,34 @@ def _count(count: float) -> str:
 
 
 class SpikeWatch:
-    """The last ``window`` recorded values of every series, and the spikes of a new step."""
+    """The last ``window`` recorded values of each of ``size`` series, and the spikes of a new step."""
 
-    def __init__(self, factor: float, window: int):
+    def __init__(self, factor: float, window: int, size: int):
         self.factor, self.window = factor, window
-        self.history = np.full((window, 0), np.nan)
+        self.history = np.full((window, size), np.nan)
         self.seen = 0  # steps added
 
     def check(self, ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Positions (into ``ids``) of spiking values and their medians, before the step is added."""
         if self.seen < self.window or not len(ids):
             return np.array([], dtype=np.int64), np.array([])
-        self._grow(int(ids.max()) + 1)
         past = self.history[:, ids]
         lowest = past.min(axis=0)  # NaN where a past step lacks a finite value
-        with np.errstate(invalid="ignore"):
-            # The median is at least the lowest value: only values above factor x lowest can spike.
-            maybe = np.flatnonzero(np.isfinite(values) & (lowest > 0) & (values > self.factor * lowest))
+        # The median is at least the lowest value: only values above factor x lowest can spike
+        # (a comparison with NaN is false).
+        maybe = np.flatnonzero(values > self.factor * lowest)
         if not len(maybe):
             return maybe, np.array([])
         medians = np.median(past[:, maybe], axis=0)
-        spiking = values[maybe] > self.factor * medians
+        found = values[maybe]
+        spiking = np.isfinite(found) & (medians > 0) & (found > self.factor * medians)
         return maybe[spiking], medians[spiking]
 
     def add(self, ids: np.ndarray, values: np.ndarray) -> None:
-        if len(ids):
-            self._grow(int(ids.max()) + 1)
-        row = self.seen % self.window
-        self.history[row] = np.nan
-        self.history[row, ids] = np.where(np.isfinite(values), values, np.nan)
+        row = self.history[self.seen % self.window]
+        row.fill(np.nan)
+        row[ids] = np.where(np.isfinite(values), values, np.nan)
         self.seen += 1
-
-    def _grow(self, count: int) -> None:
-        have = self.history.shape[1]
-        if count > have:
-            grown = np.full((self.window, max(count, 2 * have)), np.nan)
-            grown[:, :have] = self.history
-            self.history = grown
 
 
 def spike_alert(step: int, kind: str, name: str, stat: str, value: float, baseline: float,

@@ -29,13 +29,24 @@ from backlens.monitoring.alerts import Alert, SpikeWatch, nonfinite_alert, spike
 from backlens.monitoring.layout import Layout, layout_of, unwrapped
 from backlens.monitoring.options import Options
 from backlens.monitoring.outputs import OutputWatch, watch_module_outputs
-from backlens.monitoring.rows import SeriesIds, StepValues, first_nonfinite_output, step_rows
+from backlens.monitoring.rows import (
+    RowPlans,
+    SeriesIds,
+    StepRows,
+    StepValues,
+    first_nonfinite_output,
+)
 from backlens.monitoring.series import Series, Store
 from backlens.monitoring.sinks import CallableSink, Sink
 from backlens.monitoring.stats import ParamCopies, StepWork, local
 
 if TYPE_CHECKING:
     import pandas as pd
+
+# A step without output gradients: made once (every numpy call costs after a backward).
+NO_POSITIONS = np.zeros(0, dtype=np.int64)
+NO_VALUES = np.zeros(0)
+NO_POSITIONS.flags.writeable = NO_VALUES.flags.writeable = False
 
 
 class Monitor:
@@ -66,9 +77,11 @@ class Monitor:
         self._nonfinite_alerted = False
         self._series = Series()
         self._store = Store(self._series, options.keep)
-        self._spikes = SpikeWatch(options.spike_factor, options.window)
         self._rank, self._world = self._place()
         self._ids = SeriesIds.make(self._series, self._layout, self._stats)
+        self._spikes = SpikeWatch(options.spike_factor, options.window, len(self._series))
+        self._plans = RowPlans(self._layout, self._ids, self._stats)
+        self._stepped: list[bool] = self._layout.stepped.tolist()
         self._handles: list[Any] = []
         self._scaler_step: Any = None
         self._outputs: OutputWatch | None = None
@@ -251,26 +264,26 @@ class Monitor:
         """Statistics of the gradients as the optimizer gets them, on the device; with ``copy``,
         the parameters the optimizer is about to update, for the update ratio."""
         layout, stats = self._layout, self._stats
-        present = np.array([i for i, p in enumerate(layout.params) if p.grad is not None], dtype=np.int64)
+        every_grad = [p.grad for p in layout.params]
+        having = [i for i, grad in enumerate(every_grad) if grad is not None]
         work = StepWork(layout, self._rank, self._world)
         self._work = work
+        work.present = having
         with torch.no_grad():
-            grads = [local(layout.params[i].grad) for i in present]
-            work.present = present
-            if len(present):
-                work.grad_stats(present, grads, norm="norm" in stats or "absmax" not in stats,
-                                absmax="absmax" in stats)
+            if having:
+                grads = [every_grad[i] for i in having]
+                work.grad_stats(having if len(having) < len(every_grad) else None, grads,
+                                norm="norm" in stats or "absmax" not in stats, absmax="absmax" in stats)
             optimizer = self._optimizer
             scale = getattr(optimizer, "grad_scale", None)  # a fused optimizer stepped by a GradScaler
             found_inf = getattr(optimizer, "found_inf", None)
             if isinstance(scale, torch.Tensor):
-                work.put("scale", np.zeros(1, dtype=np.int64), scale.detach().reshape(1).to(torch.float64), 1)
+                work.put("scale", [0], scale.detach().reshape(1).to(torch.float64), 1)
             if isinstance(found_inf, torch.Tensor):
-                work.put("found_inf", np.zeros(1, dtype=np.int64),
-                         found_inf.detach().reshape(1).to(torch.float64), 1)
+                work.put("found_inf", [0], found_inf.detach().reshape(1).to(torch.float64), 1)
             if "update_ratio" in stats:
-                stepped = present[layout.stepped[present]]
-                if len(stepped) and copy:
+                stepped = [i for i in having if self._stepped[i]]
+                if stepped and copy:
                     self._copies.take(work, stepped, [layout.params[i] for i in stepped])
                 work.copied = stepped
 
@@ -296,34 +309,37 @@ class Monitor:
         if work is None:
             raise RuntimeError("the step's statistics were not started")
         with torch.no_grad():
-            if "update_ratio" in self._stats and len(work.copied) and not skipped:
+            if "update_ratio" in self._stats and work.copied and not skipped:
                 self._copies.measure(work, [layout.params[i] for i in work.copied])
             fired = self._outputs.take() if self._outputs is not None else None
-            fired_at = fired.positions if fired is not None else np.zeros(0, dtype=np.int64)
+            fired_at = fired.positions if fired is not None else NO_POSITIONS
             for slots, norms in fired.chunks if fired is not None else ():
                 work.put("fires", slots, norms, fired.size)
             read = work.read()
         scale = read["scale"][0] if "scale" in read else None  # a fused optimizer unscales itself
         if scale is not None:
+            work.finite = False  # divided by the scale: looked at again
             for key in ("norm", "absmax"):
                 if key in read:
                     read[key] = read[key] / scale
         if "found_inf" in read and read["found_inf"][0] > 0:
             skipped = True
-        fire_norms = read["fires"][fired.slots] if len(fired_at) else np.zeros(0)
+        fire_norms = read["fires"][fired.slots] if len(fired_at) else NO_VALUES
         loss_scale = self._loss_scale or scale
         if loss_scale:  # output gradients come from the backward of the scaled loss
             fire_norms = fire_norms / loss_scale
-        step = StepValues(work.present, work.copied, read, self._count_nonfinite(work.present, read),
-                          fired_at, fire_norms, skipped)
-        ids, values = step_rows(layout, self._ids, self._stats, step)
+        plan = self._plans.plan(work.present, work.copied)
+        counts = None if work.finite else self._count_nonfinite(plan.present, read)
+        step = StepValues(plan.present, plan.copied, read, counts, fired_at, fire_norms, skipped, work.finite)
+        rows = self._plans.step_rows(plan, step)
         if not skipped:  # a step the scaler skipped: its infinities were handled, and it set no baseline
-            self._alerts_of(step, ids, values, alerts)
-        return ids, values
+            self._alerts_of(step, rows, alerts)
+        return rows.ids, rows.values
 
     def _count_nonfinite(self, present: np.ndarray, read: dict[str, np.ndarray]) -> np.ndarray:
         """Non-finite values per parameter, counted (a second pass, a second read-back) only for
-        gradients whose max |g| (or norm) is not finite."""
+        gradients whose max |g| (or norm) is not finite (not called on a step whose gradients were
+        all seen finite as they were read)."""
         layout = self._layout
         counts = np.zeros(len(layout.params))
         trigger = read.get("absmax", read.get("norm"))
@@ -337,15 +353,14 @@ class Monitor:
             counts[bad] = counting.read()["count"][bad]
         return counts
 
-    def _alerts_of(self, step: StepValues, ids: np.ndarray, values: np.ndarray, alerts: list[Alert]) -> None:
+    def _alerts_of(self, step: StepValues, rows: StepRows, alerts: list[Alert]) -> None:
         layout = self._layout
-        nonfinite = step.present[step.counts[step.present] > 0]
-        if len(nonfinite) and not self._nonfinite_alerted:
+        if not self._nonfinite_alerted and step.counts is not None and step.counts.any():
+            nonfinite = np.flatnonzero(step.counts)  # counts are 0 where no gradient
             self._nonfinite_alerted = True
             named = [(layout.names[i], layout.owners[i], step.counts[i]) for i in nonfinite[::-1]]
             alerts.append(nonfinite_alert(self._step, named, first_nonfinite_output(layout, step)))
-        watched = self._ids.spiking[ids]
-        spike_ids, spike_values = ids[watched], values[watched]
+        spike_ids, spike_values = rows.watched_ids, rows.watched_values
         found, baselines = self._spikes.check(spike_ids, spike_values)
         if len(found):
             worst = int(np.argmax(spike_values[found] / baselines))

@@ -40,6 +40,31 @@ class Fired:
     chunks: list[tuple[np.ndarray, torch.Tensor]]
 
 
+class Norms:
+    """One preallocated vector of output gradient norms per device and dtype, written in firing
+    order through 0-d views made once."""
+
+    def __init__(self, size: int, dtype: torch.dtype, device: torch.device):
+        self.dtype = dtype
+        self.vector = torch.empty(size, dtype=dtype, device=device)
+        self.views = list(self.vector.unbind())
+        self.used = 0
+
+    def write(self, grad: torch.Tensor) -> int:
+        """File the norm of ``grad``; return its index."""
+        index = self.used
+        if index == len(self.views):  # more gradients than expected this step: twice the room
+            vector = torch.empty(2 * index, dtype=self.dtype, device=self.vector.device)
+            vector[:index] = self.vector
+            self.vector, self.views = vector, list(vector.unbind())
+        if grad.dtype == self.dtype:
+            torch.linalg.vector_norm(grad, out=self.views[index])
+        else:
+            torch.linalg.vector_norm(grad, dtype=self.dtype, out=self.views[index])
+        self.used = index + 1
+        return index
+
+
 class OutputWatch:
     """A module-call subscriber for ``modules`` while armed; each firing gradient's norm written, in firing
     order, into one preallocated vector per device and dtype (no allocation that outlives the
@@ -49,12 +74,15 @@ class OutputWatch:
     def __init__(self, modules: list[tuple[str, nn.Module]], failed: Callable[[BaseException], None]):
         self.modules = modules
         self.failed = failed
-        self.fires: list[tuple[int, tuple, int]] = []  # (module position, vector key, index in it)
-        self._vectors: dict[tuple, list] = {}  # (device, dtype) -> [vector, used]
+        self.fires: list[tuple[list[int], Norms, int]] = []  # (module positions, their vector, index in it)
+        self._vectors: dict[tuple, Norms] = {}  # (device, dtype) -> the norms written there
         self._position_of = {id(module): position for position, (_address, module) in enumerate(modules)}
         self._subscription: Any = None
         self._tensor_handles: list[Any] = []
-        self._hooked: dict[int, tuple[weakref.ref, list[int]]] = {}  # id(tensor) -> tensor, its modules
+        # The output hooked last, and the modules returning it: a container returns its last child's
+        # output right after the child, and the two share one hook (any other repeat gets a hook
+        # of its own, whose norm is the same).
+        self._last: tuple[weakref.ref, list[int]] | None = None
 
     @property
     def armed(self) -> bool:
@@ -72,67 +100,61 @@ class OutputWatch:
             subscription.cancel()
         for handle in waiting:
             handle.remove()
-        self._hooked = {}
+        self._last = None
 
     # -- the module-call subscriber (backlens._module_calls) ------------------------
     def module_called(self, module: nn.Module, _args: tuple, _kwargs: dict) -> int | None:
         return self._position_of.get(id(module))
 
     def module_returned(self, module: nn.Module, position: int, output: Any) -> Any:
-        self._called(position, output)
+        try:
+            tensor = output if isinstance(output, torch.Tensor) else first_tensor(output)
+            if tensor is not None and tensor.requires_grad:
+                last = self._last
+                if last is not None and last[0]() is tensor:
+                    last[1].append(position)
+                else:
+                    positions = [position]
+                    self._last = (weakref.ref(tensor), positions)
+                    self._tensor_handles.append(tensor.register_hook(partial(self._reached, positions)))
+        except Exception as exc:  # noqa: BLE001 - the user's forward goes on
+            self.failed(exc)
         return output
 
     def module_raised(self, module: nn.Module, position: int) -> None:
         pass
 
     def take(self) -> Fired:
-        """The step's output gradient norms (float64, on their devices), and a fresh start."""
+        """The step's output gradient norms (on their devices), and a fresh start."""
         fires, self.fires = self.fires, []
         waiting, self._tensor_handles = self._tensor_handles, []
-        for handle in waiting:  # outputs whose gradient never came (an evaluation forward)
+        for handle in waiting:  # also outputs whose gradient never came (an evaluation forward)
             handle.remove()
-        self._hooked = {}
+        self._last = None
         chunks, offsets, size = [], {}, 0
-        for key, entry in self._vectors.items():
-            vector, used = entry
-            if used:
-                offsets[key] = size
-                chunks.append((np.arange(size, size + used), vector[:used].to(torch.float64)))
-                size += used
-                entry[1] = 0
-        return Fired(np.array([position for position, _k, _i in fires], dtype=np.int64),
-                     np.array([offsets[key] + index for _p, key, index in fires], dtype=np.int64), size, chunks)
-
-    def _called(self, position: int, output: Any) -> None:
-        try:
-            tensor = first_tensor(output)
-            if tensor is None or not tensor.requires_grad:
-                return
-            known = self._hooked.get(id(tensor))
-            if known is not None and known[0]() is tensor:
-                known[1].append(position)
-                return
-            positions = [position]
-            self._hooked[id(tensor)] = (weakref.ref(tensor), positions)
-            self._tensor_handles.append(tensor.register_hook(partial(self._reached, positions)))
-        except Exception as exc:  # noqa: BLE001 - the user's forward goes on
-            self.failed(exc)
+        for norms in self._vectors.values():
+            if norms.used:
+                offsets[id(norms)] = size
+                chunks.append((np.arange(size, size + norms.used), norms.vector[:norms.used]))
+                size += norms.used
+                norms.used = 0
+        return Fired(np.array([p for positions, _n, _i in fires for p in positions], dtype=np.int64),
+                     np.array([offsets[id(norms)] + index for positions, norms, index in fires for _p in positions],
+                              dtype=np.int64), size, chunks)
 
     def _reached(self, positions: list[int], grad: torch.Tensor) -> None:
         try:
-            with torch.no_grad():
+            key = (grad.device, grad.dtype)
+            norms = self._vectors.get(key)
+            if norms is None:
                 dtype = torch.float64 if grad.dtype == torch.float64 else torch.float32
-                key = (grad.device, dtype)
-                entry = self._vectors.get(key)
-                if entry is None:
-                    entry = self._vectors[key] = [torch.empty(4 * len(self.modules) + 4, dtype=dtype,
-                                                              device=grad.device), 0]
-                vector, used = entry
-                if used == len(vector):  # more gradients than expected this step: twice the room
-                    entry[0] = vector = torch.cat([vector, torch.empty_like(vector)])
-                torch.linalg.vector_norm(grad, dtype=dtype, out=vector[used])
-                entry[1] = used + 1
-                self.fires.extend((position, key, used) for position in positions)
+                norms = self._vectors[key] = Norms(4 * len(self.modules) + 4, dtype, grad.device)
+            if torch.is_grad_enabled():  # a backward with create_graph=True: record nothing
+                with torch.no_grad():
+                    index = norms.write(grad)
+            else:
+                index = norms.write(grad)
+            self.fires.append((positions, norms, index))
         except Exception as exc:  # noqa: BLE001 - the user's backward goes on
             self.failed(exc)
 
