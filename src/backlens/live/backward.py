@@ -129,7 +129,9 @@ class BackwardBlock(WithBody):
     def _make(cls, tensor: torch.Tensor, args: tuple[Any, ...], source: BlockSource | TraceError, frame: types.FrameType) -> Any:
         """The block, or one that refuses at once (no graph to run in, a body that cannot run)."""
         try:
-            _args.backward_options("loss.backward", *args)  # gradient, retain_graph, create_graph, inputs
+            gradient, retain_graph, create_graph, inputs = args
+            if gradient is not None or retain_graph is not None or create_graph is not False or inputs is not None:
+                _args.backward_options("loss.backward", *args)  # the defaults need no check
             if isinstance(source, TraceError):
                 raise source
             if tensor.grad_fn is None and not tensor.requires_grad:
@@ -211,6 +213,7 @@ class BackwardRun:
         self.driver: Any = None
         self._graph: GraphIndex | None = None
         self._engine_task: int | None = None  # the id of this block's engine run, once it started
+        self._check_hooked = False  # _check_in_engine is registered (or the run is over)
         self._expect: dict[int, _Target] = {}
         self._served: dict[int, Event] = {}
         self._last: _Target | None = None
@@ -256,9 +259,6 @@ class BackwardRun:
         self.driver = getcurrent()
         error: BaseException | None = None
         try:
-            if self._engine_answers():
-                # Registered before the body's own hooks, so the engine calls it first.
-                self._handles.append(self.tensor.register_hook(self._check_in_engine))
             mediator.start()
             if mediator.error is None:
                 retain = self.retain_graph
@@ -271,6 +271,7 @@ class BackwardRun:
                 with single_threaded_engine():
                     _run_engine(self.tracer, call, self.tensor, self.gradient, retain, self.create_graph, self.inputs)
                 self._engine_task = None
+                self._check_hooked = True  # the run is over: nothing left to check as it starts
                 self._finish()
         except StopRun:
             pass
@@ -367,7 +368,10 @@ class BackwardRun:
         if node is not None and self._engine_answers():
             # Asked of the engine run, which knows its nodes: walking a fresh graph costs more
             # than the rest of a block. Before the run starts, asked as it starts (_check_in_engine).
-            if node is self.tensor.grad_fn or self._engine_task is None:
+            if node is self.tensor.grad_fn:
+                return node
+            if self._engine_task is None:
+                self._check_when_engine_starts()
                 return node
             runs = _torch.engine_will_run(node) if self._engine_task == _graph_task_id() else None
             if runs is False:
@@ -395,9 +399,19 @@ class BackwardRun:
         only the paths to them, and a request off them gets its own error at the end)."""
         return _torch.HAS_ENGINE_NODE_QUERY and self.inputs is None and self.tensor.grad_fn is not None
 
-    def _check_in_engine(self, _grad: torch.Tensor) -> None:
-        """The loss's first hook, the engine's first call: note the run and check the request
-        the body is waiting on (made before the run, so not checked yet)."""
+    def _check_when_engine_starts(self) -> None:
+        """Have the engine's first node check the request made before the run (once, before it).
+
+        A pre-hook of the loss's node, which the engine runs first: the body's
+        first request waits there, and its own hook is on another tensor's node.
+        """
+        if not self._check_hooked and self.driver is not None and self._engine_task is None:
+            self._check_hooked = True
+            self._handles.append(self.tensor.grad_fn.register_prehook(self._check_in_engine))
+
+    def _check_in_engine(self, _grads: Any) -> None:
+        """The loss's node, the engine's first: note the run and check the request the body
+        is waiting on (made before the run, so not checked yet)."""
         if getcurrent() is not self.driver or self._engine_task is not None:
             return
         self._engine_task = _graph_task_id()
@@ -429,6 +443,8 @@ class BackwardRun:
         mediator = self.mediator
         if mediator is None or mediator.done or mediator.pending != key or getcurrent() is not self.driver:
             return None
+        if self._engine_task is None:  # no request waited for the run to start
+            self._engine_task = _graph_task_id()
         event = Event(key, grad)
         # Recorded before the body runs on: its next request is checked against it.
         self._served[key] = event

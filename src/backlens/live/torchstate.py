@@ -154,7 +154,9 @@ class StateSwitch:
 
     def to_body(self) -> None:
         """Called by the driver right before it switches to the body."""
-        self.driver = current = _new(CallerState, (_grad_enabled(), _inference_enabled(), _autocast_now()))
+        # _autocast_now() inlined for its usual answer (this runs at every switch).
+        autocast = _NO_AUTOCAST if _any_autocast is not None and not _any_autocast() else _autocast_now()
+        self.driver = current = _new(CallerState, (_grad_enabled(), _inference_enabled(), autocast))
         if self._undo is not None:
             self._restore()
         elif current != self.body:
@@ -162,7 +164,8 @@ class StateSwitch:
 
     def to_driver(self) -> None:
         """Called by the body right before it switches back to the driver."""
-        self.body = current = _new(CallerState, (_grad_enabled(), _inference_enabled(), _autocast_now()))
+        autocast = _NO_AUTOCAST if _any_autocast is not None and not _any_autocast() else _autocast_now()
+        self.body = current = _new(CallerState, (_grad_enabled(), _inference_enabled(), autocast))
         driver = self.driver
         if self._undo is not None:
             self._restore()
