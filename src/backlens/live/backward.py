@@ -97,7 +97,7 @@ def bare_in_trace(tensor, block, frame, gradient, retain_graph, create_graph, in
 
 def _run_engine(tracer: Tracer | None, call: BackwardCall, tensor, gradient, retain_graph, create_graph, inputs):  # noqa: ANN001
     """Run torch's backward; explain a freed shared graph in the trace's terms."""
-    earlier = list(tracer._backwards) if tracer is not None else []
+    before = len(tracer._backwards) if tracer is not None else 0
     if tracer is not None:
         tracer._backwards.append(call)
     token = recording_own.set(True)
@@ -105,7 +105,7 @@ def _run_engine(tracer: Tracer | None, call: BackwardCall, tensor, gradient, ret
         return _stock_backward(tensor, gradient, retain_graph, create_graph, inputs)
     except RuntimeError as exc:
         if tracer is not None and is_freed_graph(exc):
-            raise freed_graph_error(exc, call, earlier) from exc
+            raise freed_graph_error(exc, call, tracer._backwards[:before]) from exc
         raise
     finally:
         recording_own.reset(token)
@@ -287,6 +287,8 @@ class BackwardRun:
     def _finish(self) -> None:
         """Tell a body still waiting that its gradient never came, and why."""
         assert self.mediator is not None
+        if self.mediator.done:
+            return
         answer_unserved(
             self.mediator, _is_request, lambda pending: self._never_arrived(self._expect[pending]), _stop_on_error
         )

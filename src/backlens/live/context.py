@@ -83,8 +83,9 @@ def saved_names(final_locals: dict[str, Any], block: Block, assigned: frozenset[
     with it. Names the body only read are skipped: they still hold the
     caller's own objects.
     """
+    saved = block.saved  # Block.is_saved, inlined: runs for every local of every body
     return {
         name: value
         for name, value in final_locals.items()
-        if name in assigned and block.is_saved(value)
+        if name in assigned and saved.get(id(value), _MISSING) is value
     }

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,17 +142,11 @@ class ForwardRun:
         subscription = None
         try:
             subscription = module_calls.subscribe(self)
-            with store.hooks() if store is not None else nullcontext():
-                for mediator in self.mediators:
-                    mediator.start()
-                    self._after(mediator)
-                output = self.model(*args, **kwargs)
-                # The model's own output is served here, once its call has
-                # returned: what a body does next (its backward, often) then
-                # runs with no forward frame left waiting under it, which
-                # measurably slows a backward run from inside a forward hook.
-                output = self._serve_all((OUTPUT, self.model), output)
-                self._finish()
+            if store is None:
+                output = self._call_model(args, kwargs)
+            else:
+                with store.hooks():
+                    output = self._call_model(args, kwargs)
         except StopRun:
             pass
         except BaseException as exc:  # the model (or an interrupt) failed: stop every body
@@ -170,6 +163,19 @@ class ForwardRun:
             self._arrived.clear()
             self._injected.clear()
         return output, error, failed
+
+    def _call_model(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        for mediator in self.mediators:
+            mediator.start()
+            self._after(mediator)
+        output = self.model(*args, **kwargs)
+        # The model's own output is served here, once its call has
+        # returned: what a body does next (its backward, often) then
+        # runs with no forward frame left waiting under it, which
+        # measurably slows a backward run from inside a forward hook.
+        output = self._serve_all((OUTPUT, self.model), output)
+        self._finish()
+        return output
 
     def _batch_inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if len(self.invokes) == 1:
@@ -199,7 +205,8 @@ class ForwardRun:
     def _finish(self) -> None:
         """Tell every body still waiting that its value never came, and why."""
         for mediator in self.mediators:
-            answer_unserved(mediator, _is_module_request, lambda pending, m=mediator: self._unserved(m, pending), self._after)
+            if not mediator.done:
+                answer_unserved(mediator, _is_module_request, lambda pending, m=mediator: self._unserved(m, pending), self._after)
         while self._arrived:
             self._unfilled(next(iter(self._arrived)))
 
@@ -360,7 +367,8 @@ class ForwardRun:
             invoke = mediator.block.invoke
             assert invoke is not None
             rows = invoke.rows
-            event = Event(key, rows_mod.take(value, rows, batch, self._remember(key, invoke)), self._merger(key, invoke, value))
+            merge = self._merger(key, invoke, value) if rows is not None else None
+            event = Event(key, rows_mod.take(value, rows, batch, self._remember(key, invoke)), merge)
             mediator.serve(event)
             self._after(mediator)
             if event.replaced:
