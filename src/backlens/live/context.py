@@ -68,12 +68,10 @@ def running(block: Block) -> Iterator[Block]:
         _current.reset(token)
 
 
-def enter_block(block: Block) -> contextvars.Token[Block | None]:
-    return _current.set(block)
-
-
-def leave_block(token: contextvars.Token[Block | None]) -> None:
-    _current.reset(token)
+enter_block = _current.set
+"""Make a block current; returns the token :func:`leave_block` takes (the context variable's own
+methods: entered at every body's start, so no Python frame of ours)."""
+leave_block = _current.reset
 
 
 def saved_names(final_locals: dict[str, Any], block: Block, assigned: frozenset[str]) -> dict[str, Any]:

@@ -62,7 +62,8 @@ class ForwardRun:
         self._ran: set[nn.Module] = set()  # modules whose call returned
         self._addresses: dict[nn.Module, str] = {}
         self._params: dict[int, str] | None = None
-        self._sites: dict[int, Site] = {}
+        # id(view) -> its Site, or the Site's fields (made into one when first asked for)
+        self._sites: dict[int, Site | tuple[Any, ...]] = {}
         self._inputs_wanted: set[nn.Module] = set()
         self._arrived: dict[Barrier, list[Mediator]] = {}
         self._injected: dict[Mediator, dict[str, Any]] = {}  # what barriers handed each body
@@ -82,6 +83,10 @@ class ForwardRun:
 
     def site_of(self, tensor: Any) -> Site | None:
         site = self._sites.get(id(tensor))
+        if type(site) is tuple:
+            if site[5] is not tensor:
+                return None
+            site = self._sites[id(tensor)] = Site(*site)
         return site if site is not None and site.view is tensor else None
 
     def site_name(self, key: tuple[str, nn.Module]) -> str:
@@ -367,8 +372,13 @@ class ForwardRun:
             invoke = mediator.block.invoke
             assert invoke is not None
             rows = invoke.rows
-            merge = self._merger(key, invoke, value) if rows is not None else None
-            event = Event(key, rows_mod.take(value, rows, batch, self._remember(key, invoke)), merge)
+            if rows is None and type(value) is torch.Tensor:  # one invoke, one tensor: the usual case
+                if id(value) not in self._sites:
+                    self._sites[id(value)] = (self, key, invoke.index, value, None, value)
+                event = Event(key, value)
+            else:
+                merge = self._merger(key, invoke, value) if rows is not None else None
+                event = Event(key, rows_mod.take(value, rows, batch, self._remember(key, invoke)), merge)
             mediator.serve(event)
             self._after(mediator)
             if event.replaced:
@@ -381,7 +391,7 @@ class ForwardRun:
             # The first-served name wins: fc2's output is also the model's.
             if id(view) not in self._sites:
                 rows = invoke.rows if view is not full else None
-                self._sites[id(view)] = Site(self, key, invoke.index, full, rows, view)
+                self._sites[id(view)] = (self, key, invoke.index, full, rows, view)
 
         return remember
 
