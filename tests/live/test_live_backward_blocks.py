@@ -332,3 +332,39 @@ def test_once_an_accelerator_is_in_use_the_engine_runs_its_device_work_in_the_ca
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     assert _engine_threads_during_backward(lens, x) is False
     assert torch._C._is_multithreading_enabled()
+
+
+def test_a_backward_block_in_a_trace_runs_in_the_modes_its_with_statement_sets(mlp, lens, x):
+    ref = reference(mlp, x, ["fc1"])
+    with lens.trace(x):
+        h = lens.fc1.output
+        loss = lens.output.sum()
+        with torch.no_grad(), loss.backward():
+            g = h.grad.save()
+            grad_mode = bl.save(torch.is_grad_enabled())
+    assert grad_mode is False
+    assert torch.equal(g, ref["fc1"][1])
+    assert torch.is_grad_enabled()
+
+
+def test_a_later_with_item_that_fails_skips_the_backward_block_and_leaves_nothing_armed(mlp, lens, x):
+    class Boom:
+        def __enter__(self):
+            raise KeyError("boom")
+
+        def __exit__(self, *exc):
+            return False
+
+    with pytest.raises(KeyError, match="boom"):
+        with lens.trace(x):
+            h = lens.fc1.output
+            loss = lens.output.sum()
+            with loss.backward(), Boom():
+                g = h.grad.save()
+    ref = reference(mlp, x, ["fc1"])
+    with lens.trace(x):
+        h = lens.fc1.output
+        with lens.output.sum().backward():
+            g = h.grad.save()
+    assert torch.equal(g, ref["fc1"][1])
+    assert_clean(mlp)
