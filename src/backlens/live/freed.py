@@ -101,9 +101,11 @@ _watch_lock = threading.Lock()
 
 
 def _on_engine_run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    if recording_own.get():  # a backward backlens records itself (every block's)
+        return
     block = current_block()
     tracer = block.tracer if block is not None else None
-    if tracer is None or recording_own.get():
+    if tracer is None:
         return
     frame, _ = user_frame(1)
     if frame is None:

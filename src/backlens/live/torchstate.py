@@ -92,8 +92,10 @@ class CallerState(NamedTuple):
     def capture(cls) -> CallerState:
         return _new(cls, (_grad_enabled(), _inference_enabled(), _autocast_now()))
 
-    def applied(self) -> _Applied:
+    def applied(self) -> Any:
         """Apply this state to the calling thread for the duration (no-op when it already holds)."""
+        if CallerState.capture() == self:  # the usual case: nothing to apply or undo
+            return _NOTHING
         return _Applied(self)
 
     def apply_over(self, current: CallerState) -> list[Callable[[], None]]:
