@@ -48,7 +48,7 @@ from backlens.live.freed import BackwardCall, freed_graph_error, recording_own
 from backlens.live.gradpath import GraphIndex, reaches
 from backlens.live.launch import drive
 from backlens.live.mediator import Event, Mediator, StopRun, answer_unserved, getcurrent
-from backlens.live.naming import Label, Site, describe
+from backlens.live.naming import Label, describe
 from backlens.live.source import BlockSource
 from backlens.live.torchstate import CallerState, single_threaded_engine
 from backlens.live.withbody import WithBody, refusal
@@ -178,10 +178,10 @@ def _stop_on_error(mediator: Mediator) -> None:
 
 @dataclass(eq=False)
 class _Target:
-    """A tensor whose gradient a body asked for; named only if a message needs it."""
+    """A tensor whose gradient a body asked for; named only if a message needs it (by the
+    site it was served at, when it was: ``describe`` looks there first)."""
 
     tensor: torch.Tensor
-    site: Site | None
     block: Block | None
     frame: types.FrameType | None
     node: Any
@@ -190,8 +190,6 @@ class _Target:
 
     @property
     def label(self) -> Label:
-        if self.site is not None:
-            return self.site.label()
         return describe(self.tensor, self.block, self.frame)
 
 
@@ -249,7 +247,8 @@ class BackwardRun:
         result = mediator.result or {}
         mediator.result = None
         updates = saved_names(result, block, body.assigned)
-        updates.update({name: result[name] for name in body.writeback if name in result})
+        if body.writeback:  # nonlocal names the body assigned (rare)
+            updates.update({name: result[name] for name in body.writeback if name in result})
         return updates
 
     def _drive_engine(self) -> BaseException | None:
@@ -266,7 +265,7 @@ class BackwardRun:
                     retain = True
                 kept = bool(retain if retain is not None else self.create_graph)
                 invoke = self.invoke.index if self.invoke is not None else None
-                single = self.tracer._single if self.tracer is not None else False
+                single = self.tracer._has_inputs if self.tracer is not None else False  # Tracer._single
                 call = BackwardCall(invoke, kept, self.source.filename, self.source.with_line, single=single)
                 with single_threaded_engine():
                     _run_engine(self.tracer, call, self.tensor, self.gradient, retain, self.create_graph, self.inputs)
@@ -319,10 +318,10 @@ class BackwardRun:
         event.replace(rows_mod.put_gradient(event.value, value, target.rows, batch, target.label.grad))
 
     def _target(self, tensor: torch.Tensor, block: Block | None, frame: types.FrameType | None) -> _Target:
-        site = self.forward.site_of(tensor) if self.forward is not None else None
-        if site is not None:
-            return _Target(tensor, site, block, frame, None, site.rows, site.full)
-        return _Target(tensor, None, block, frame, None, None, tensor)
+        served = self.forward.served_rows(tensor) if self.forward is not None else None
+        if served is not None:
+            return _Target(tensor, block, frame, None, served[0], served[1])
+        return _Target(tensor, block, frame, None, None, tensor)
 
     def _event_for(self, tensor: torch.Tensor, frame: types.FrameType, writing: bool) -> tuple[Event, _Target]:
         """The event carrying the gradient of ``tensor``'s target, waiting for it if needed.

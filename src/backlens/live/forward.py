@@ -89,6 +89,13 @@ class ForwardRun:
             site = self._sites[id(tensor)] = Site(*site)
         return site if site is not None and site.view is tensor else None
 
+    def served_rows(self, tensor: Any) -> tuple[tuple[int, int] | None, Any] | None:
+        """``(rows, full)`` of a served tensor (see :class:`Site`), making no Site."""
+        site = self._sites.get(id(tensor))
+        if type(site) is tuple:
+            return (site[4], site[3]) if site[5] is tensor else None
+        return (site.rows, site.full) if site is not None and site.view is tensor else None
+
     def site_name(self, key: tuple[str, nn.Module]) -> str:
         return site_name(self.address(key[1]), key[0])
 
@@ -128,7 +135,8 @@ class ForwardRun:
                 result, body = mediator.result, mediator.body
                 if result is not None and body is not None:
                     invoke.updates = saved_names(result, mediator.block, body.assigned)
-                    invoke.updates.update({name: result[name] for name in body.writeback if name in result})
+                    if body.writeback:  # nonlocal names the body assigned (rare)
+                        invoke.updates.update({name: result[name] for name in body.writeback if name in result})
                 mediator.result = None
         finally:
             for mediator in self.mediators:
