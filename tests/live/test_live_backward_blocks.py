@@ -368,3 +368,30 @@ def test_a_later_with_item_that_fails_skips_the_backward_block_and_leaves_nothin
             g = h.grad.save()
     assert torch.equal(g, ref["fc1"][1])
     assert_clean(mlp)
+
+
+def test_a_first_request_far_below_the_loss_is_served_and_equals_plain_autograd():
+    torch.manual_seed(0)
+    deep = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(12)))
+    x = torch.randn(2, 4)
+    ref = reference(deep, x, ["0"])
+    lens = bl.wrap(deep)
+    with lens.trace(x):
+        h = lens[0].output
+        with lens.output.sum().backward():
+            g = h.grad.save()
+    assert torch.equal(g, ref["0"][1])
+    assert_clean(deep)
+
+
+def test_a_first_request_off_the_path_far_below_the_loss_raises_before_the_backward_runs():
+    torch.manual_seed(0)
+    deep = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(12)))
+    lens = bl.wrap(deep)
+    with pytest.raises(NoGradientPathError):
+        with lens.trace(torch.randn(2, 4)):
+            off = torch.randn(3, requires_grad=True) * 2
+            with lens.output.sum().backward():
+                off.grad  # noqa: B018  (a request, for its effect)
+    assert all(p.grad is None for p in deep.parameters())
+    assert_clean(deep)

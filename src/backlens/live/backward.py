@@ -45,7 +45,7 @@ from backlens.live import rows as rows_mod
 from backlens.live.compiler import CompiledBody, compile_body
 from backlens.live.context import Block, current_block, saved_names
 from backlens.live.freed import BackwardCall, freed_graph_error, recording_own
-from backlens.live.gradpath import GraphIndex, reaches
+from backlens.live.gradpath import GraphIndex, met_within, reaches
 from backlens.live.launch import drive
 from backlens.live.mediator import Event, Mediator, StopRun, answer_unserved, getcurrent
 from backlens.live.naming import Label, describe
@@ -165,6 +165,9 @@ class BackwardBlock(WithBody):
 
     def _cleanup(self) -> None:
         self._tensor = None  # type: ignore[assignment]
+
+
+_NEAR_LOSS = 16  # nodes a request made before the run is looked for among, from the loss down
 
 
 def _is_request(pending: Any) -> bool:
@@ -372,7 +375,10 @@ class BackwardRun:
             if node is self.tensor.grad_fn:
                 return node
             if self._engine_task is None:
-                self._check_when_engine_starts()
+                # Before the run: a node near the loss is found by a short walk, any other asked
+                # of the engine as it starts (a hook the engine calls costs more than a short walk).
+                if not met_within(self.tensor.grad_fn, node, _NEAR_LOSS):
+                    self._check_when_engine_starts()
                 return node
             runs = _torch.engine_will_run(node) if self._engine_task == _graph_task_id() else None
             if runs is False:
