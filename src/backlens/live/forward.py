@@ -168,7 +168,10 @@ class ForwardRun:
             if subscription is not None:
                 subscription.cancel()
             self._inputs_wanted.clear()
-            failed = next((m.error for m in self.mediators if m.error is not None), None)
+            for mediator in self.mediators:  # the first body error (a loop: this runs every trace)
+                if mediator.error is not None:
+                    failed = mediator.error
+                    break
             for mediator in self.mediators:
                 mediator.cancel()
             self._sites.clear()

@@ -90,7 +90,8 @@ class CallerState(NamedTuple):
 
     @classmethod
     def capture(cls) -> CallerState:
-        return _new(cls, (_grad_enabled(), _inference_enabled(), _autocast_now()))
+        autocast = _NO_AUTOCAST if _any_autocast is not None and not _any_autocast() else _autocast_now()
+        return _new(cls, (_grad_enabled(), _inference_enabled(), autocast))
 
     def applied(self) -> Any:
         """Apply this state to the calling thread for the duration (no-op when it already holds)."""
