@@ -81,9 +81,12 @@ def saved_names(final_locals: dict[str, Any], block: Block, assigned: frozenset[
     with it. Names the body only read are skipped: they still hold the
     caller's own objects.
     """
-    saved = block.saved  # Block.is_saved, inlined: runs for every local of every body
-    return {
-        name: value
-        for name, value in final_locals.items()
-        if name in assigned and saved.get(id(value), _MISSING) is value
-    }
+    saved = block.saved  # Block.is_saved, inlined: runs at every body's end
+    if not saved:
+        return {}
+    found = {}
+    for name in assigned:  # fewer than the final locals, which hold the copied names too
+        value = final_locals.get(name, _MISSING)
+        if value is not _MISSING and saved.get(id(value), _MISSING) is value:
+            found[name] = value
+    return found
