@@ -2,7 +2,8 @@
 
 Each error is a :class:`BacklensError` with a snake_case ``code`` and a
 one-sentence ``remedy``, and also subclasses the builtin a user would catch
-(``RuntimeError``, ``KeyError``, ``ValueError``, ``NotImplementedError``), so
+(``RuntimeError``, ``KeyError``, ``ValueError``, ``NotImplementedError``,
+``OSError``), so
 ``except RuntimeError`` keeps working around code that starts using backlens.
 """
 
@@ -24,6 +25,7 @@ __all__ = [
     "OnceOnlyNodeError",
     "SavedTensorModifiedError",
     "OutOfOrderError",
+    "OutputPathError",
     "ReplayError",
     "TraceError",
     "UnsupportedFrameworkError",
@@ -212,6 +214,14 @@ class NonFiniteGradError(BacklensError, RuntimeError):
 
     code = "nonfinite_grad"
     remedy = "Guard the forward op the message names (clamp its input, add an epsilon, use a stable form)."
+
+
+class OutputPathError(BacklensError, OSError):
+    """A file or folder backlens was asked to write (a report, a timeline, a monitor's sink)
+    cannot be written where it was asked to."""
+
+    code = "output_not_writable"
+    remedy = "Choose a writable location: a folder you may write to, and a file name that is not a folder."
 
 
 class ReplayError(BacklensError, RuntimeError):
