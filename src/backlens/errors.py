@@ -2,8 +2,7 @@
 
 Each error is a :class:`BacklensError` with a snake_case ``code`` and a
 one-sentence ``remedy``, and also subclasses the builtin a user would catch
-(``RuntimeError``, ``KeyError``, ``ValueError``, ``NotImplementedError``,
-``OSError``), so
+(``RuntimeError``, ``KeyError``, ``ValueError``, ``NotImplementedError``), so
 ``except RuntimeError`` keeps working around code that starts using backlens.
 """
 
@@ -216,9 +215,10 @@ class NonFiniteGradError(BacklensError, RuntimeError):
     remedy = "Guard the forward op the message names (clamp its input, add an epsilon, use a stable form)."
 
 
-class OutputPathError(BacklensError, OSError):
+class OutputPathError(BacklensError, OSError, ValueError):
     """A file or folder backlens was asked to write (a report, a timeline, a monitor's sink)
-    cannot be written where it was asked to."""
+    cannot be written where it was asked to: an ``OSError`` as file code expects, and a
+    ``ValueError`` as a bad path argument is."""
 
     code = "output_not_writable"
     remedy = "Choose a writable location: a folder you may write to, and a file name that is not a folder."
