@@ -498,3 +498,42 @@ def test_without_the_module_call_impl_entry_module_calls_are_watched_through_cal
     for (name, param), stock in zip(model.named_parameters(), twin.parameters()):
         assert torch.equal(param.grad, stock.grad), name
     assert torch.nn.Module.__dict__["__call__"] is torch.nn.Module.__dict__["_wrapped_call_impl"]
+
+
+def test_without_tensor_versions_a_served_gradient_changed_in_place_is_still_named(monkeypatch):
+    from backlens.errors import TraceError
+
+    without(monkeypatch, "HAS_TENSOR_VERSION")
+    model, x = model_and_input()
+    lens = bl.wrap(model)
+    with pytest.raises(TraceError) as info:
+        with lens.trace(x):
+            hidden = lens.net[2].output
+            with lens.output.sum().backward():
+                hidden.grad.mul_(2)
+    assert info.value.code == "grad_changed_in_place"
+
+
+def test_without_tensor_versions_a_gradient_only_read_gives_stock_gradients(monkeypatch):
+    without(monkeypatch, "HAS_TENSOR_VERSION")
+    model, x = model_and_input()
+    expected = stock_grads(model, x)
+    twin = copy.deepcopy(model)
+    lens = bl.wrap(model)
+    with lens.trace(x):
+        hidden = lens.net[2].output
+        with lens.output.sum().backward():
+            grad = hidden.grad.save()
+    assert_grads_equal(model, expected)
+    stock_hidden = twin.net[:3](x)
+    stock_hidden.retain_grad()
+    twin.net[3:](stock_hidden).sum().backward()
+    assert torch.equal(grad, stock_hidden.grad)
+
+
+def test_a_live_lens_names_children_the_same_without_module_dicts(monkeypatch):
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Sequential(nn.Linear(4, 2)))
+    lens = bl.wrap(model)
+    fast = ([child._lens_address for child in lens], len(lens), lens[2][0]._lens_address, dir(lens))
+    without(monkeypatch, "HAS_MODULE_DICTS")
+    assert ([child._lens_address for child in lens], len(lens), lens[2][0]._lens_address, dir(lens)) == fast

@@ -34,6 +34,7 @@ BUILTINS = {
     "NoGradForwardError": NotImplementedError,
     "NoGradientPathError": RuntimeError,
     "LabelNotFoundError": KeyError,
+    "OutputPathError": OSError,
 }
 
 

@@ -123,3 +123,14 @@ def test_a_save_s_byte_bar_ends_at_its_total_when_tensors_repeat(monkeypatch, tm
     cap.output.sum().backward()  # a node's outgoing gradient is the next node's incoming one: kept twice
     cap.save(tmp_path / "b")
     assert totals[0] > 0 and sum(advanced) == totals[0]
+
+
+def test_a_bar_of_bytes_read_rather_than_written_shows_a_percentage_not_sizes():
+    screen = Terminal()
+    total = 2 * _progress.LARGE_BYTES
+    with _progress.progress("Saving bundle", total, unit="bytes", sizes=False, min_total=_progress.LARGE_BYTES,
+                            stream=screen, shown=True) as advance:
+        advance(total // 2)
+        advance(total - total // 2)
+    drawn = screen.getvalue()
+    assert "Saving bundle" in drawn and "%" in drawn and "/536.9 MB" not in drawn and "536.9" not in drawn

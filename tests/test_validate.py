@@ -207,3 +207,16 @@ class MLPWithBatchNorm(nn.Module):
 
 def _explode(grad):
     raise RuntimeError("exploded in the backward")
+
+
+def test_a_loss_with_no_graph_is_a_named_error_and_leaves_the_model_as_it_was():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.BatchNorm1d(5), nn.Linear(5, 1))
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    with pytest.raises(RuntimeError) as info:
+        bl.validate(model, torch.randn(3, 4), lambda out: out.detach().sum())
+    assert isinstance(info.value, bl.NoGradientPathError)
+    assert info.value.code == "loss_without_graph" and "loss_fn" in str(info.value)
+    for name, b in model.named_buffers():
+        assert torch.equal(b, buffers[name]), name
+    assert all(p.grad is None for p in model.parameters())

@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from backlens.errors import UnsupportedInputError
+from backlens.errors import NoGradientPathError, UnsupportedInputError
 
 
 def _bad(where: str, name: str, wants: str, value: Any, remedy: str, code: str = "bad_argument") -> UnsupportedInputError:
@@ -167,6 +167,18 @@ def scalar_loss(loss: Any, where: str, name: str = "loss_fn") -> Any:
         raise UnsupportedInputError(f"{where}: {name} returned {what}; it must return a scalar tensor (the loss).",
                                     code="loss_required",
                                     remedy=f"Reduce it to a scalar in {name}, e.g. lambda out: out.sum().")
+    return loss
+
+
+def differentiable_loss(loss: Any, where: str, name: str = "loss_fn") -> Any:
+    """A scalar loss (as :func:`scalar_loss`) that autograd can backpropagate: one with a graph."""
+    scalar_loss(loss, where, name)
+    if not loss.requires_grad:
+        raise NoGradientPathError(
+            f"{where}: {name} returned a loss with no autograd graph (it does not require grad), so there is "
+            "no backward to compare.", code="loss_without_graph",
+            remedy=f"Compute the loss in {name} from the model's output without .detach(), torch.no_grad() or "
+                   ".item(), and leave some parameter or input requiring grad.")
     return loss
 
 

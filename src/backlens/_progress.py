@@ -40,13 +40,16 @@ def progress(
     total: float,
     *,
     unit: str = "steps",
+    sizes: bool = True,
     min_total: float = 0,
     stream: IO[str] | None = None,
     shown: bool | None = None,
 ) -> Iterator[Callable[[float], None]]:
     """A bar of ``total`` units; yields ``advance(amount=1)``.
 
-    ``unit="bytes"`` shows sizes and a transfer rate. Below ``min_total`` or
+    ``unit="bytes"`` shows sizes and a transfer rate; with ``sizes=False`` a
+    percentage instead of sizes (bytes read that are not the size of what is
+    made, such as a save that writes repeated tensors once). Below ``min_total`` or
     where :func:`progress_shown` is false, ``advance`` does nothing and nothing
     is drawn. ``shown`` overrides the terminal check (tests draw into a buffer).
     """
@@ -62,14 +65,17 @@ def progress(
         DownloadColumn,
         MofNCompleteColumn,
         Progress,
+        TaskProgressColumn,
         TextColumn,
         TimeElapsedColumn,
         TimeRemainingColumn,
         TransferSpeedColumn,
     )
 
-    counted = [DownloadColumn(), TransferSpeedColumn()] if unit == "bytes" else [MofNCompleteColumn(),
-                                                                                TextColumn(unit)]
+    if unit == "bytes":
+        counted = [DownloadColumn() if sizes else TaskProgressColumn(), TransferSpeedColumn()]
+    else:
+        counted = [MofNCompleteColumn(), TextColumn(unit)]
     columns = [TextColumn("{task.description}"), BarColumn(), *counted, TimeElapsedColumn(), TimeRemainingColumn()]
     console = Console(file=stream, force_terminal=True if shown else None)
     with Progress(*columns, console=console, transient=True) as bar:

@@ -733,8 +733,8 @@ def register_flop_formulas(formulas: dict[Any, Callable[..., int]]) -> list[Any]
 
 
 # saved tensors of built-in nodes ---------------------------------------------------
-# Torch's generated node classes expose what they saved for backward as
-# ``_saved_<name>`` attributes (the once-only check fingerprints them).
+# Torch's generated nodes expose what they saved as ``_saved_<name>`` attributes
+# (the once-only check fingerprints them).
 
 HAS_SAVED_TENSOR_ATTRIBUTES = any(name.startswith("_saved_") for name in dir(
     getattr(getattr(torch._C, "_functions", None), "MulBackward0", None) or object))
@@ -824,12 +824,28 @@ def module_parts(module: torch.nn.Module) -> tuple[Any, Any, Any]:
             list(module.named_children()))
 
 
+def module_children(module: torch.nn.Module) -> dict[str, Any]:
+    """A module's own children by name (None where it holds None); read-only."""
+    return module._modules if HAS_MODULE_DICTS else dict(module.named_children())
+
+
+# A live backward block notices a gradient its body changed in place by its version.
+HAS_TENSOR_VERSION = isinstance(getattr(torch.empty(0), "_version", None), int)
+CAPABILITIES = (*CAPABILITIES, Capability(
+    "HAS_TENSOR_VERSION", HAS_TENSOR_VERSION, "noticing a gradient a backward block changed in place",
+    "each served gradient is copied and compared after the body"))
+
+
+def tensor_version(tensor: torch.Tensor) -> int | None:
+    """The tensor's in-place version counter, or None without HAS_TENSOR_VERSION."""
+    return tensor._version if HAS_TENSOR_VERSION else None
+
+
 # gradient monitor
 # The monitor's per-step statistics run torch's multi-tensor ("foreach") kernels:
 # one call over every gradient instead of a Python loop of launches (on CPU a
 # few percent faster, on an accelerator one fused launch instead of hundreds).
-# They are underscore names in the torch namespace; without them the monitor
-# loops over the tensors with the public per-tensor ops, same results.
+# Without these underscore names the monitor loops with the public ops, same results.
 
 _foreach_norm = getattr(torch, "_foreach_norm", None)
 _foreach_copy = getattr(torch, "_foreach_copy_", None)
@@ -875,8 +891,7 @@ def foreach_sub_(tensors: list[torch.Tensor], others: list[torch.Tensor]) -> Non
 
 # profiler ---------------------------------------------------------------------
 # While torch.profiler records, a captured backward marks each node call with a
-# range named by its module address, as torch.profiler.record_function does (a
-# user annotation, which kineto also lays over the device kernels it launched),
+# range named by its module address, as torch.profiler.record_function does,
 # through the C entry points that bypass the dispatcher, so the backward's FLOP
 # census never sees them (about 2 us a range, against 10 us through torch.ops).
 # Whether a profiler records is asked once per pass, never per node.

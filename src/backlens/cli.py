@@ -86,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
     profile.add_argument("--memory", action="store_true",
                          help="also record what the backward holds and print a checkpointing plan")
     profile.add_argument("--memory-budget", type=_count, default=None, metavar="BYTES",
-                         help="with --memory: the saved bytes the checkpointing plan should fit")
+                         help="the saved bytes the checkpointing plan should fit (turns --memory on)")
     profile.add_argument("--overwrite", action="store_true", help="let --save replace an existing bundle")
 
     show = command("show", help="print the summary of a saved bundle")
@@ -344,6 +344,7 @@ def _profile(args) -> None:
         described = "the factory's inputs"
     loss_fn = loss_fn or _loss_of(args.loss)
     repeats = DEFAULT_REPEATS if args.repeats is None else args.repeats
+    args.memory = args.memory or args.memory_budget is not None  # a budget is only for the memory plan
     with console.status("Capturing the forward..."):
         try:
             cap = bl.capture(model, *positional, memory=args.memory, **keywords)

@@ -24,6 +24,7 @@ __all__ = [
     "OnceOnlyNodeError",
     "SavedTensorModifiedError",
     "OutOfOrderError",
+    "OutputPathError",
     "ReplayError",
     "TraceError",
     "UnsupportedFrameworkError",
@@ -212,6 +213,15 @@ class NonFiniteGradError(BacklensError, RuntimeError):
 
     code = "nonfinite_grad"
     remedy = "Guard the forward op the message names (clamp its input, add an epsilon, use a stable form)."
+
+
+class OutputPathError(BacklensError, OSError, ValueError):
+    """A file or folder backlens was asked to write (a report, a timeline, a monitor's sink)
+    cannot be written where it was asked to: an ``OSError`` as file code expects, and a
+    ``ValueError`` as a bad path argument is."""
+
+    code = "output_not_writable"
+    remedy = "Choose a writable location: a folder you may write to, and a file name that is not a folder."
 
 
 class ReplayError(BacklensError, RuntimeError):

@@ -81,7 +81,7 @@ def validate(
         try:
             with start.seeded(seed):
                 cap = capture(model, *args, save_grads=True, **kwargs)
-                _args.scalar_loss(loss_fn(cap.output), "bl.validate").backward()
+                _args.differentiable_loss(loss_fn(cap.output), "bl.validate").backward()
             _compare_params(model, stock_params, result)
             if validate_layer_grads:
                 _compare_modules(cap, stock_modules, children, result)
@@ -182,7 +182,7 @@ def _stock_run(model, args, kwargs, loss_fn, children, seed, start: _ModelState)
             handles.append(modules[address].register_forward_hook(keep(address)))
         with start.seeded(seed):
             output = model(*args, **kwargs)
-            _args.scalar_loss(loss_fn(output), "bl.validate").backward()
+            _args.differentiable_loss(loss_fn(output), "bl.validate").backward()
     finally:
         for handle in handles:
             handle.remove()

@@ -88,3 +88,10 @@ def test_the_module_table_says_what_own_node_calls_are(run):
     code, out, err = run("profile", "tiny_factories:build_gpt2", "--input-ids", "--repeats", "0")
     assert code == 0, err
     assert "own node calls: calls of autograd nodes made by the module call's own ops" in " ".join(out.split())
+
+
+def test_too_few_timed_passes_are_reported_noisy(run):
+    code, out, err = run("profile", "tiny_factories:build", "--repeats", "1")
+    assert code == 0, err
+    assert "warning [timing_noisy]" in err and "only 1 timed pass: too few" in err
+    assert "NOISY" in out

@@ -190,6 +190,34 @@ def op_grad_call(m: dict) -> dict:
     return next(call for call in node_calls(m, node) if call["grad_outputs"] is not None)
 
 
+def first_pass_aten(m: dict) -> dict:
+    return m["cost"]["passes"][0]["aten_ops"]
+
+
+def counted_rows(m: dict) -> list[int]:
+    """Positions of the first pass's ATen rows that counted FLOPs under a node call."""
+    aten = first_pass_aten(m)
+    return [i for i, (call, flops) in enumerate(zip(aten["call"], aten["flops"])) if call is not None and flops]
+
+
+def aten_row_cut(m: dict) -> None:
+    aten = first_pass_aten(m)
+    aten["flops"][counted_rows(m)[0]] = 1
+
+
+def flops_moved_between_calls(m: dict) -> None:
+    aten = first_pass_aten(m)
+    first, second = sorted({aten["call"][i] for i in counted_rows(m)})[:2]
+    m["calls"][first]["flops"] -= 10
+    m["calls"][second]["flops"] += 10
+
+
+def aten_row_under_another_call(m: dict) -> None:
+    aten = first_pass_aten(m)
+    row = counted_rows(m)[0]
+    aten["call"][row] = next(aten["call"][i] for i in counted_rows(m) if aten["call"][i] != aten["call"][row])
+
+
 def rank_set_of_one(path: Path, world_size: int) -> None:
     """Make ``path`` a directory of rank bundles holding rank 0 of a run of ``world_size``."""
     inner = path.with_name(path.name + "-rank0")
@@ -341,6 +369,9 @@ CASES = {
         p, lambda m: m["cost"]["passes"][0].update(executed_flops=m["cost"]["passes"][0]["executed_flops"] + 1000)),
     "unattributed_flops_not_their_ops": lambda p, out: reseal(p, lambda m: m["cost"]["passes"][0].update(
         unattributed_flops=7, executed_flops=m["cost"]["passes"][0]["executed_flops"] + 7)),
+    "aten_row_flops_not_adding_up": lambda p, out: reseal(p, aten_row_cut),
+    "call_flops_not_their_aten_rows": lambda p, out: reseal(p, flops_moved_between_calls),
+    "aten_row_moved_to_another_call": lambda p, out: reseal(p, aten_row_under_another_call),
     "two_costs_for_one_pass": lambda p, out: reseal(p, lambda m: m["cost"]["passes"].append(m["cost"]["passes"][0])),
     "call_flops_in_an_uncounted_pass": lambda p, out: reseal(p, lambda m: m["cost"]["passes"][1].update(
         counted=False, reason="x", executed_flops=None, unattributed_flops=None, recompute_known=False,

@@ -107,3 +107,10 @@ def test_backlens_profile_memory_prints_the_peak_and_the_plan(tmp_path, capsys, 
     out = capsys.readouterr().out
     assert "Backward memory" in out and "Checkpointing plan" in out and "308 B" in out
     assert "class='memory-curve'" in page.read_text()
+
+
+def test_a_memory_budget_alone_turns_memory_on_and_plans_for_that_budget(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    assert cli.main(["profile", "memory_refs:build_hand", "--memory-budget", "100", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "Backward memory" in out and "Checkpointing plan" in out and "100 B" in out

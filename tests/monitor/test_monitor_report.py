@@ -14,6 +14,7 @@ import zlib
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from monitor_helpers import batch, loss_of, net
 
@@ -153,3 +154,15 @@ def test_a_non_finite_gradient_is_a_red_cell_and_the_non_finite_heatmap_appears(
     assert {name for name, column in red if column == 3} == set(names)
     assert not {column for _name, column in red} & {0, 1}
     assert "gradient_nonfinite" in html and "head.bias" in html
+
+
+def test_a_report_under_a_file_is_an_output_path_error_and_a_missing_folder_is_made(tmp_path):
+    (tmp_path / "afile").write_text("mine")
+    mon = spiky_run()
+    bad = tmp_path / "afile" / "grads.html"
+    with pytest.raises(bl.OutputPathError) as info:
+        mon.report(bad)
+    assert isinstance(info.value, OSError) and info.value.code == "output_not_writable"
+    assert str(bad) in str(info.value)
+    page = mon.report(tmp_path / "new" / "grads.html")
+    assert Path(page).read_text().startswith("<!DOCTYPE html>")

@@ -115,3 +115,18 @@ def test_a_sink_that_is_no_path_or_callable_is_refused_before_anything_is_instal
         bl.monitor(model, optimizer, sink=sink)
     assert info.value.code == "bad_sink"
     assert not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
+
+
+@pytest.mark.parametrize("name", ["tb", "grads.csv"])
+def test_a_sink_under_a_file_is_refused_as_an_output_path_error_naming_it(name, tmp_path):
+    (tmp_path / "afile").write_text("mine")
+    model = nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    sink = str(tmp_path / "afile" / name)
+    with pytest.raises(OSError) as info:
+        bl.monitor(model, optimizer, sink=sink)
+    assert isinstance(info.value, bl.OutputPathError)
+    assert info.value.code == "output_not_writable"
+    assert sink in str(info.value) and info.value.remedy
+    assert (tmp_path / "afile").read_text() == "mine"
+    assert not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks

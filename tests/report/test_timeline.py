@@ -204,3 +204,21 @@ def test_an_unknown_pass_number_is_an_error():
     cap = bert_capture()
     with pytest.raises(bl.LabelNotFoundError):
         bl.report.timeline(cap, pass_=5)
+
+
+def test_saving_a_timeline_under_a_file_is_an_output_path_error_naming_it(tmp_path):
+    (tmp_path / "afile").write_text("mine")
+    cap = bert_capture()
+    target = tmp_path / "afile" / "t.json"
+    with pytest.raises(bl.OutputPathError) as info:
+        bl.report.timeline(cap).save(str(target))
+    assert isinstance(info.value, OSError) and info.value.code == "output_not_writable"
+    assert str(target) in str(info.value)
+    assert (tmp_path / "afile").read_text() == "mine"
+
+
+def test_saving_a_timeline_makes_its_missing_folder_as_a_bundle_save_does(tmp_path):
+    cap = bert_capture()
+    target = tmp_path / "runs" / "one" / "t.json"
+    bl.report.timeline(cap).save(str(target))
+    assert json.loads(target.read_text())["traceEvents"]

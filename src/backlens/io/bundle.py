@@ -90,7 +90,8 @@ def save_state(state: CaptureState, path: str | os.PathLike | None = None, *, ov
     check_target(target, overwrite)
     def write(directory: Path) -> None:
         total = _bytes_to_write(state) if progress_shown() else 0
-        with progress("Saving bundle", total, unit="bytes", min_total=LARGE_BYTES) as advance:
+        # Every tensor handed in is read and hashed, a repeated one written once: a percentage, not sizes.
+        with progress("Saving bundle", total, unit="bytes", sizes=False, min_total=LARGE_BYTES) as advance:
             writer = ShardWriter(directory, "tensors", advance=advance)
             body = manifest_io.build(state, manifest_io.Refs(writer, store))
             writer.flush()

@@ -211,6 +211,7 @@ def _cost(state: Any) -> None:
     counted = set()
     for position, entry in enumerate(cost.passes):
         _pass_cost(f"cost: passes: [{position}]", entry, calls_of.get(entry["pass"], []))
+        _aten_rows(f"cost: passes: [{position}] aten_ops", entry, state.calls)
         if entry["counted"] and entry["attributed"]:
             counted.add(entry["pass"])
     for position, call in enumerate(state.calls):
@@ -250,3 +251,25 @@ def _pass_cost(where: str, entry: dict[str, Any], calls: list[Any]) -> None:
         if any(flops is None for flops in recomputed) or sum(recomputed) != entry["recompute_flops"]:
             _fail(f"{where} recompute_flops", f"{entry['recompute_flops']}, but its calls recomputed "
                   f"{sum(f or 0 for f in recomputed)}")
+
+
+def _aten_rows(where: str, entry: dict[str, Any], calls: list[Any]) -> None:
+    """A counted pass's ATen rows add up to its executed FLOPs, those under each node call to that
+    call's FLOPs, and those under none to its unattributed FLOPs."""
+    aten = entry["aten_ops"]
+    if aten is None or not entry["counted"]:
+        return
+    if sum(aten["flops"]) != entry["executed_flops"]:
+        _fail(where, f"its rows' FLOPs add up to {sum(aten['flops'])}, but the pass's executed_flops are "
+              f"{entry['executed_flops']}")
+    if not entry["attributed"]:
+        return
+    under: dict[int | None, int] = {}
+    for position, flops in zip(aten["call"], aten["flops"]):
+        under[position] = under.get(position, 0) + flops
+    for position, flops in under.items():
+        expected = entry["unattributed_flops"] if position is None else calls[position].flops
+        if flops != expected:
+            named = "under no node call" if position is None else f"under call {position}"
+            _fail(where, f"its rows {named} add up to {flops} FLOPs, but that "
+                  f"{'pass has' if position is None else 'call has'} {expected}")

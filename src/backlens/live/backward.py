@@ -456,11 +456,13 @@ class BackwardRun:
         # Recorded before the body runs on: its next request is checked against it.
         self._served[key] = event
         self._last = self._expect[key]
-        version = grad._version
+        version = _torch.tensor_version(grad)
+        before = grad.clone() if version is None else None
         mediator.serve(event)
         if mediator.error is not None:
             raise StopRun()
-        if grad._version != version:  # (also when replaced: the buffer may reach other paths)
+        # (also when replaced: the buffer may reach other paths)
+        if _torch.tensor_version(grad) != version if before is None else not _same_values(grad, before):
             raise self._changed_in_place(self._expect[key])
         return event.value if event.replaced else None
 
@@ -474,3 +476,10 @@ class BackwardRun:
             remedy="Assign a new tensor instead (h.grad = h.grad * 2); item assignments "
             "(h.grad[0] = 0, h.grad[0] *= 2) work too: they edit a copy.",
         )
+
+
+def _same_values(now: torch.Tensor, before: torch.Tensor) -> bool:
+    """The same bits (NaNs and signed zeros included), as an unchanged version counter would say."""
+    if now.shape != before.shape or now.dtype != before.dtype:
+        return False
+    return torch.equal(now.reshape(-1).view(torch.uint8), before.reshape(-1).view(torch.uint8))

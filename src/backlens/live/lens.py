@@ -190,7 +190,7 @@ class Lens:
         if name.startswith("__") and name.endswith("__"):
             raise AttributeError(name)
         module = self._lens_module
-        child = module._modules.get(name)
+        child = _torch.module_children(module).get(name)
         if child is not None:
             return self._child(child, name)
         try:
@@ -208,12 +208,13 @@ class Lens:
             child = module.get_submodule(key)
             return self._child(child, key, f"[{key!r}]")
         if type(key) is int and isinstance(module, (nn.Sequential, nn.ModuleList)):
-            names = list(module._modules)
+            children = _torch.module_children(module)
+            names = list(children)
             try:
                 name = names[key]
             except IndexError:
                 raise IndexError(f"index {key} is out of range for {self!r} ({len(names)} children)") from None
-            return self._child(module._modules[name], name, f"[{key}]")  # type: ignore[arg-type]
+            return self._child(children[name], name, f"[{key}]")  # type: ignore[arg-type]
         item = module[key]  # type: ignore[index]
         if isinstance(key, slice):
             return [self._child(m, name, f"[{name}]") for m, name in ((m, self._name_of(m)) for m in item)]
@@ -222,7 +223,7 @@ class Lens:
         return item
 
     def _name_of(self, child: nn.Module) -> str:
-        for name, module in self._lens_module._modules.items():
+        for name, module in _torch.module_children(self._lens_module).items():
             if module is child:
                 return name
         return type(child).__name__
@@ -238,12 +239,12 @@ class Lens:
 
     def __iter__(self) -> Iterator[Lens]:
         indexed = isinstance(self._lens_module, (nn.Sequential, nn.ModuleList))
-        for name, module in self._lens_module._modules.items():
+        for name, module in _torch.module_children(self._lens_module).items():
             if module is not None:
                 yield self._child(module, name, f"[{name}]" if indexed else None)
 
     def __len__(self) -> int:
-        return len(self._lens_module._modules)
+        return len(_torch.module_children(self._lens_module))
 
     def __bool__(self) -> bool:  # a leaf module has no children but is still a lens
         return True
@@ -253,7 +254,7 @@ class Lens:
         return self._lens_module(*args, **kwargs)
 
     def __dir__(self) -> list[str]:
-        return sorted({*object.__dir__(self), *self._lens_module._modules})
+        return sorted({*object.__dir__(self), *_torch.module_children(self._lens_module)})
 
     def __repr__(self) -> str:
         where = self._lens_address or "<model>"

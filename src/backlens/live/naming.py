@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from backlens import _torch
+
 if TYPE_CHECKING:
     from backlens.live.context import Block
 
@@ -108,5 +110,5 @@ def spelled_path(model: Any, dotted: str) -> str:
     for part in dotted.split(".") if dotted else []:
         indexed = isinstance(module, (nn.Sequential, nn.ModuleList)) and part.lstrip("-").isdigit()
         spelled += f"[{part}]" if indexed else (f".{part}" if spelled else part)
-        module = getattr(module, "_modules", {}).get(part)
+        module = _torch.module_children(module).get(part) if isinstance(module, nn.Module) else None
     return spelled

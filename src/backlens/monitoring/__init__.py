@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from backlens import _torch
 from backlens.derive.frameworks import refuse_other_framework
 from backlens.errors import UnsupportedInputError
 from backlens.monitoring import options as _options
@@ -62,7 +63,7 @@ def monitor(
     checked = _options.check(every=every, stats=stats, outputs=outputs, keep=keep, spike_factor=spike_factor,
                              window=window, on_alert=on_alert, scaler=scaler,
                              has_optimizer=optimizer is not None, where=where)
-    if outputs and getattr(model, "_orig_mod", None) is not None and type(model).__module__.startswith("torch._dynamo"):
+    if outputs and _torch.compiled_original(model) is not None:
         raise UnsupportedInputError(
             f"{where}: outputs=True hooks module calls, which a torch.compile'd model would recompile for.",
             code="monitor_outputs_compiled", remedy="Monitor the compiled model with outputs=False.")

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from backlens._output import not_writable
 from backlens.errors import UnsupportedInputError
 from backlens.monitoring.alerts import Alert
 from backlens.monitoring.series import COLUMNS, ROOT_TAG_NAME, Series, empty_frame, tag_of
@@ -152,7 +153,10 @@ def open_sinks(sink: Any, where: str, opened: bool = True) -> list[Sink]:
     made: list[Sink] = []
     try:
         for item in items:
-            made.append(_open(item, where))
+            try:
+                made.append(_open(item, where))
+            except OSError as exc:
+                raise not_writable(item, exc, f"{where}: sink") from exc
     except BaseException:
         for done in made:
             done.close()

@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from backlens._output import write_text
+
 _CSS = """
 body { font-family: -apple-system, Segoe UI, Helvetica, Arial, sans-serif; margin: 2rem auto;
        max-width: 1100px; color: #1d2330; background: #fbfbfd; }
@@ -285,9 +287,8 @@ class Report:
         )
 
     def write(self, path: str) -> str:
-        with open(path, "w", encoding="utf-8") as handle:
-            handle.write(self.to_html())
-        return path
+        """Write the page to ``path`` (its folder made if missing); returns ``path``."""
+        return write_text(path, self.to_html(), "the HTML report")
 
 
 def _e(value: Any) -> str:

@@ -31,6 +31,7 @@ from backlens.graph.labels import NO_FORWARD_OP, ROOT_NAME
 from backlens.report.display import flops_text, seconds_text
 
 NOISY_SPREAD = 0.2  # an interquartile range above this fraction of the median is noise
+FEWEST_TO_SPREAD = 3  # fewer timed passes than this (a run asked for): no spread to judge them by
 
 
 @dataclass
@@ -293,6 +294,9 @@ def _timing(timed: list[int], durations: list[float], *, census_included: bool, 
     if timing.median and timing.iqr is not None and timing.iqr > NOISY_SPREAD * timing.median:
         timing.noisy.append(f"the interquartile range of the timed passes ({seconds_text(timing.iqr)}) is over "
                             f"{NOISY_SPREAD:.0%} of their median ({seconds_text(timing.median)})")
+    if run is not None and 0 < len(durations) < FEWEST_TO_SPREAD:
+        timing.noisy.append(f"only {len(durations)} timed pass{'es' if len(durations) != 1 else ''}: too few to "
+                            f"judge how noisy the times and the overhead are")
     if timing.threads is not None and timing.cores is not None and timing.threads > timing.cores:
         timing.noisy.append(f"torch runs {timing.threads} threads on the {timing.cores} "
                             f"core{'s' if timing.cores != 1 else ''} this process may use")

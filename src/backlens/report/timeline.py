@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backlens import _args
+from backlens._output import write_text
 from backlens._pandas import data_frame
 from backlens.errors import UnsupportedInputError
 from backlens.graph.labels import ROOT_NAME
@@ -210,9 +211,7 @@ class Timeline:
     def save(self, path: str) -> str:
         """Write the Trace Event format JSON to ``path``; returns ``path``."""
         _args.path(path, "path", "Timeline.save", "timeline.save('backward.json')")
-        with open(path, "w", encoding="utf-8") as handle:
-            json.dump(self.to_trace(), handle)
-        return path
+        return write_text(path, json.dumps(self.to_trace()), "Timeline.save")
 
     def to_pandas(self):
         """One row per slice: name, kind, pass, start and duration (seconds), depth, track, args."""
