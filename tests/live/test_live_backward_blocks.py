@@ -332,3 +332,66 @@ def test_once_an_accelerator_is_in_use_the_engine_runs_its_device_work_in_the_ca
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     assert _engine_threads_during_backward(lens, x) is False
     assert torch._C._is_multithreading_enabled()
+
+
+def test_a_backward_block_in_a_trace_runs_in_the_modes_its_with_statement_sets(mlp, lens, x):
+    ref = reference(mlp, x, ["fc1"])
+    with lens.trace(x):
+        h = lens.fc1.output
+        loss = lens.output.sum()
+        with torch.no_grad(), loss.backward():
+            g = h.grad.save()
+            grad_mode = bl.save(torch.is_grad_enabled())
+    assert grad_mode is False
+    assert torch.equal(g, ref["fc1"][1])
+    assert torch.is_grad_enabled()
+
+
+def test_a_later_with_item_that_fails_skips_the_backward_block_and_leaves_nothing_armed(mlp, lens, x):
+    class Boom:
+        def __enter__(self):
+            raise KeyError("boom")
+
+        def __exit__(self, *exc):
+            return False
+
+    with pytest.raises(KeyError, match="boom"):
+        with lens.trace(x):
+            h = lens.fc1.output
+            loss = lens.output.sum()
+            with loss.backward(), Boom():
+                g = h.grad.save()
+    ref = reference(mlp, x, ["fc1"])
+    with lens.trace(x):
+        h = lens.fc1.output
+        with lens.output.sum().backward():
+            g = h.grad.save()
+    assert torch.equal(g, ref["fc1"][1])
+    assert_clean(mlp)
+
+
+def test_a_first_request_far_below_the_loss_is_served_and_equals_plain_autograd():
+    torch.manual_seed(0)
+    deep = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(12)))
+    x = torch.randn(2, 4)
+    ref = reference(deep, x, ["0"])
+    lens = bl.wrap(deep)
+    with lens.trace(x):
+        h = lens[0].output
+        with lens.output.sum().backward():
+            g = h.grad.save()
+    assert torch.equal(g, ref["0"][1])
+    assert_clean(deep)
+
+
+def test_a_first_request_off_the_path_far_below_the_loss_raises_before_the_backward_runs():
+    torch.manual_seed(0)
+    deep = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(12)))
+    lens = bl.wrap(deep)
+    with pytest.raises(NoGradientPathError):
+        with lens.trace(torch.randn(2, 4)):
+            off = torch.randn(3, requires_grad=True) * 2
+            with lens.output.sum().backward():
+                off.grad  # noqa: B018  (a request, for its effect)
+    assert all(p.grad is None for p in deep.parameters())
+    assert_clean(deep)

@@ -139,6 +139,35 @@ def observing(observer: Any) -> bool:
     return observer in _observers
 
 
+_holders: dict[Any, set[object]] = {}  # observer -> the tokens that hold it (watch/unwatch)
+
+
+def watch(observer: Any, token: object) -> None:
+    """Observe with ``observer`` while any token holds it: :func:`observe` the first time,
+    in one step (live traces take and leave it at every trace)."""
+    with _lock:
+        holders = _holders.get(observer)
+        if holders is None:
+            holders = _holders[observer] = set()
+        holders.add(token)
+        if observer not in _observers:
+            _torch.install_engine_wrapper(_wrapper_of)
+            _observers.append(observer)
+
+
+def unwatch(observer: Any, token: object) -> None:
+    """Let ``token`` go; the last one's leaving is :func:`unobserve` (idempotent)."""
+    with _lock:
+        holders = _holders.get(observer)
+        if holders is not None:
+            holders.discard(token)
+            if holders:
+                return
+        if observer in _observers:
+            _observers.remove(observer)
+            _uninstall_when_unused()
+
+
 def unobserve(observer: Any) -> None:
     with _lock:
         if observer in _observers:

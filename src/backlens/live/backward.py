@@ -45,10 +45,10 @@ from backlens.live import rows as rows_mod
 from backlens.live.compiler import CompiledBody, compile_body
 from backlens.live.context import Block, current_block, saved_names
 from backlens.live.freed import BackwardCall, freed_graph_error, recording_own
-from backlens.live.gradpath import GraphIndex, reaches
+from backlens.live.gradpath import GraphIndex, met_within, reaches
 from backlens.live.launch import drive
 from backlens.live.mediator import Event, Mediator, StopRun, answer_unserved, getcurrent
-from backlens.live.naming import Label, Site, describe
+from backlens.live.naming import Label, describe
 from backlens.live.source import BlockSource
 from backlens.live.torchstate import CallerState, single_threaded_engine
 from backlens.live.withbody import WithBody, refusal
@@ -97,7 +97,7 @@ def bare_in_trace(tensor, block, frame, gradient, retain_graph, create_graph, in
 
 def _run_engine(tracer: Tracer | None, call: BackwardCall, tensor, gradient, retain_graph, create_graph, inputs):  # noqa: ANN001
     """Run torch's backward; explain a freed shared graph in the trace's terms."""
-    earlier = list(tracer._backwards) if tracer is not None else []
+    before = len(tracer._backwards) if tracer is not None else 0
     if tracer is not None:
         tracer._backwards.append(call)
     token = recording_own.set(True)
@@ -105,7 +105,7 @@ def _run_engine(tracer: Tracer | None, call: BackwardCall, tensor, gradient, ret
         return _stock_backward(tensor, gradient, retain_graph, create_graph, inputs)
     except RuntimeError as exc:
         if tracer is not None and is_freed_graph(exc):
-            raise freed_graph_error(exc, call, earlier) from exc
+            raise freed_graph_error(exc, call, tracer._backwards[:before]) from exc
         raise
     finally:
         recording_own.reset(token)
@@ -129,7 +129,9 @@ class BackwardBlock(WithBody):
     def _make(cls, tensor: torch.Tensor, args: tuple[Any, ...], source: BlockSource | TraceError, frame: types.FrameType) -> Any:
         """The block, or one that refuses at once (no graph to run in, a body that cannot run)."""
         try:
-            _args.backward_options("loss.backward", *args)  # gradient, retain_graph, create_graph, inputs
+            gradient, retain_graph, create_graph, inputs = args
+            if gradient is not None or retain_graph is not None or create_graph is not False or inputs is not None:
+                _args.backward_options("loss.backward", *args)  # the defaults need no check
             if isinstance(source, TraceError):
                 raise source
             if tensor.grad_fn is None and not tensor.requires_grad:
@@ -165,6 +167,9 @@ class BackwardBlock(WithBody):
         self._tensor = None  # type: ignore[assignment]
 
 
+_NEAR_LOSS = 16  # nodes a request made before the run is looked for among, from the loss down
+
+
 def _is_request(pending: Any) -> bool:
     return pending is not None
 
@@ -176,10 +181,10 @@ def _stop_on_error(mediator: Mediator) -> None:
 
 @dataclass(eq=False)
 class _Target:
-    """A tensor whose gradient a body asked for; named only if a message needs it."""
+    """A tensor whose gradient a body asked for; named only if a message needs it (by the
+    site it was served at, when it was: ``describe`` looks there first)."""
 
     tensor: torch.Tensor
-    site: Site | None
     block: Block | None
     frame: types.FrameType | None
     node: Any
@@ -188,8 +193,6 @@ class _Target:
 
     @property
     def label(self) -> Label:
-        if self.site is not None:
-            return self.site.label()
         return describe(self.tensor, self.block, self.frame)
 
 
@@ -211,6 +214,7 @@ class BackwardRun:
         self.driver: Any = None
         self._graph: GraphIndex | None = None
         self._engine_task: int | None = None  # the id of this block's engine run, once it started
+        self._check_hooked = False  # _check_in_engine is registered (or the run is over)
         self._expect: dict[int, _Target] = {}
         self._served: dict[int, Event] = {}
         self._last: _Target | None = None
@@ -246,7 +250,8 @@ class BackwardRun:
         result = mediator.result or {}
         mediator.result = None
         updates = saved_names(result, block, body.assigned)
-        updates.update({name: result[name] for name in body.writeback if name in result})
+        if body.writeback:  # nonlocal names the body assigned (rare)
+            updates.update({name: result[name] for name in body.writeback if name in result})
         return updates
 
     def _drive_engine(self) -> BaseException | None:
@@ -256,9 +261,6 @@ class BackwardRun:
         self.driver = getcurrent()
         error: BaseException | None = None
         try:
-            if self._engine_answers():
-                # Registered before the body's own hooks, so the engine calls it first.
-                self._handles.append(self.tensor.register_hook(self._check_in_engine))
             mediator.start()
             if mediator.error is None:
                 retain = self.retain_graph
@@ -266,11 +268,12 @@ class BackwardRun:
                     retain = True
                 kept = bool(retain if retain is not None else self.create_graph)
                 invoke = self.invoke.index if self.invoke is not None else None
-                single = self.tracer._single if self.tracer is not None else False
+                single = self.tracer._has_inputs if self.tracer is not None else False  # Tracer._single
                 call = BackwardCall(invoke, kept, self.source.filename, self.source.with_line, single=single)
                 with single_threaded_engine():
                     _run_engine(self.tracer, call, self.tensor, self.gradient, retain, self.create_graph, self.inputs)
                 self._engine_task = None
+                self._check_hooked = True  # the run is over: nothing left to check as it starts
                 self._finish()
         except StopRun:
             pass
@@ -286,6 +289,8 @@ class BackwardRun:
     def _finish(self) -> None:
         """Tell a body still waiting that its gradient never came, and why."""
         assert self.mediator is not None
+        if self.mediator.done:
+            return
         answer_unserved(
             self.mediator, _is_request, lambda pending: self._never_arrived(self._expect[pending]), _stop_on_error
         )
@@ -316,10 +321,10 @@ class BackwardRun:
         event.replace(rows_mod.put_gradient(event.value, value, target.rows, batch, target.label.grad))
 
     def _target(self, tensor: torch.Tensor, block: Block | None, frame: types.FrameType | None) -> _Target:
-        site = self.forward.site_of(tensor) if self.forward is not None else None
-        if site is not None:
-            return _Target(tensor, site, block, frame, None, site.rows, site.full)
-        return _Target(tensor, None, block, frame, None, None, tensor)
+        served = self.forward.served_rows(tensor) if self.forward is not None else None
+        if served is not None:
+            return _Target(tensor, block, frame, None, served[0], served[1])
+        return _Target(tensor, block, frame, None, None, tensor)
 
     def _event_for(self, tensor: torch.Tensor, frame: types.FrameType, writing: bool) -> tuple[Event, _Target]:
         """The event carrying the gradient of ``tensor``'s target, waiting for it if needed.
@@ -367,7 +372,13 @@ class BackwardRun:
         if node is not None and self._engine_answers():
             # Asked of the engine run, which knows its nodes: walking a fresh graph costs more
             # than the rest of a block. Before the run starts, asked as it starts (_check_in_engine).
-            if node is self.tensor.grad_fn or self._engine_task is None:
+            if node is self.tensor.grad_fn:
+                return node
+            if self._engine_task is None:
+                # Before the run: a node near the loss is found by a short walk, any other asked
+                # of the engine as it starts (a hook the engine calls costs more than a short walk).
+                if not met_within(self.tensor.grad_fn, node, _NEAR_LOSS):
+                    self._check_when_engine_starts()
                 return node
             runs = _torch.engine_will_run(node) if self._engine_task == _graph_task_id() else None
             if runs is False:
@@ -395,9 +406,19 @@ class BackwardRun:
         only the paths to them, and a request off them gets its own error at the end)."""
         return _torch.HAS_ENGINE_NODE_QUERY and self.inputs is None and self.tensor.grad_fn is not None
 
-    def _check_in_engine(self, _grad: torch.Tensor) -> None:
-        """The loss's first hook, the engine's first call: note the run and check the request
-        the body is waiting on (made before the run, so not checked yet)."""
+    def _check_when_engine_starts(self) -> None:
+        """Have the engine's first node check the request made before the run (once, before it).
+
+        A pre-hook of the loss's node, which the engine runs first: the body's
+        first request waits there, and its own hook is on another tensor's node.
+        """
+        if not self._check_hooked and self.driver is not None and self._engine_task is None:
+            self._check_hooked = True
+            self._handles.append(self.tensor.grad_fn.register_prehook(self._check_in_engine))
+
+    def _check_in_engine(self, _grads: Any) -> None:
+        """The loss's node, the engine's first: note the run and check the request the body
+        is waiting on (made before the run, so not checked yet)."""
         if getcurrent() is not self.driver or self._engine_task is not None:
             return
         self._engine_task = _graph_task_id()
@@ -429,6 +450,8 @@ class BackwardRun:
         mediator = self.mediator
         if mediator is None or mediator.done or mediator.pending != key or getcurrent() is not self.driver:
             return None
+        if self._engine_task is None:  # no request waited for the run to start
+            self._engine_task = _graph_task_id()
         event = Event(key, grad)
         # Recorded before the body runs on: its next request is checked against it.
         self._served[key] = event

@@ -45,7 +45,7 @@ _LOCALS = _PREFIX + "locals__"
 _FUNC = _PREFIX + "block__"
 _NO_FIRST = object()
 
-_codes: dict[tuple[Any, ...], tuple[BlockSource, types.CodeType, types.CodeType, tuple[str, ...]]] = {}
+_codes: dict[tuple[Any, ...], tuple[BlockSource, types.CodeType, types.CodeType, dict[str, Any]]] = {}
 _checked: dict[tuple[str, int, int], int] = {}
 
 
@@ -183,12 +183,13 @@ def compile_body(block: BlockSource, frame: types.FrameType, what: str, grads: b
         qualname = getattr(code_key, "co_qualname", code_name)
         with ast_lock:
             code = _compile(block, tuple(present), unbound, first, class_cell, code_name, qualname, what, grads)
-        helpers = tuple(name for name in (*code.co_varnames, *code.co_cellvars) if name in rewrite.HELPERS)
+        # What the rewritten statements call (rewrite.py): registered when backlens.live loads.
+        helpers = {name: rewrite.HELPERS[name] for name in (*code.co_varnames, *code.co_cellvars) if name in rewrite.HELPERS}
         if len(_codes) > 4096:
             _codes.clear()
         _codes[key] = (block, code_key, code, helpers)
-    for name in helpers:  # what the rewritten statements call (rewrite.py)
-        namespace[name] = rewrite.HELPERS[name]
+    if helpers:
+        namespace.update(helpers)
     closure = None
     if code.co_freevars:
         cell = types.CellType(caller_locals["__class__"]) if class_cell else types.CellType()

@@ -68,12 +68,10 @@ def running(block: Block) -> Iterator[Block]:
         _current.reset(token)
 
 
-def enter_block(block: Block) -> contextvars.Token[Block | None]:
-    return _current.set(block)
-
-
-def leave_block(token: contextvars.Token[Block | None]) -> None:
-    _current.reset(token)
+enter_block = _current.set
+"""Make a block current; returns the token :func:`leave_block` takes (the context variable's own
+methods: entered at every body's start, so no Python frame of ours)."""
+leave_block = _current.reset
 
 
 def saved_names(final_locals: dict[str, Any], block: Block, assigned: frozenset[str]) -> dict[str, Any]:
@@ -83,8 +81,12 @@ def saved_names(final_locals: dict[str, Any], block: Block, assigned: frozenset[
     with it. Names the body only read are skipped: they still hold the
     caller's own objects.
     """
-    return {
-        name: value
-        for name, value in final_locals.items()
-        if name in assigned and block.is_saved(value)
-    }
+    saved = block.saved  # Block.is_saved, inlined: runs at every body's end
+    if not saved:
+        return {}
+    found = {}
+    for name in assigned:  # fewer than the final locals, which hold the copied names too
+        value = final_locals.get(name, _MISSING)
+        if value is not _MISSING and saved.get(id(value), _MISSING) is value:
+            found[name] = value
+    return found

@@ -37,6 +37,7 @@ from backlens.live import rewrite
 from backlens.live.backward import BackwardBlock, BackwardRun, bare_in_trace
 from backlens.live.context import current_block
 from backlens.live.save import install_tensor_save
+from backlens.live.skip import guarding
 from backlens.live.source import may_enter_with, where, with_item_at
 
 # ---------------------------------------------------------------------------
@@ -180,6 +181,20 @@ def _with_backward(value: Any) -> Any:
     return types.MethodType(_block_in_body, value) if _own_backward(value) else value.backward
 
 
+def _guarded_backward(value: Any) -> Any:
+    """``X.backward`` where the call is the only backward ``with`` item of its statement in a
+    body (whose statements the rewrite put under :func:`_body_here`)."""
+    return types.MethodType(_guarded_block_in_body, value) if _own_backward(value) else value.backward
+
+
+def _body_here() -> bool:
+    """Whether a body's backward ``with`` statement runs its statements in place: not when
+    the block it just entered runs them itself (the block then reads torch's modes here,
+    where its body starts)."""
+    block = guarding()
+    return block is None or block._reach_guard(sys._getframe(1))
+
+
 def _call_backward(value: Any) -> Any:
     """``X.backward`` where the call is anything else in a body."""
     return types.MethodType(_plain_in_body, value) if _own_backward(value) else value.backward
@@ -190,6 +205,17 @@ def _block_in_body(self, gradient=None, retain_graph=None, create_graph=False, i
     found = with_item_at(frame, "backward", BackwardBlock._what, need_source=False)
     if found is not None:
         return BackwardBlock._make(self, (gradient, retain_graph, create_graph, inputs), found, frame)
+    return _plain_in_body(self, gradient, retain_graph, create_graph, inputs)
+
+
+def _guarded_block_in_body(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):  # noqa: ANN001, ANN202
+    frame = sys._getframe(1)
+    found = with_item_at(frame, "backward", BackwardBlock._what, need_source=False)
+    if found is not None:
+        block = BackwardBlock._make(self, (gradient, retain_graph, create_graph, inputs), found, frame)
+        if type(block) is BackwardBlock:
+            block._guarded = True
+        return block
     return _plain_in_body(self, gradient, retain_graph, create_graph, inputs)
 
 
@@ -207,6 +233,8 @@ rewrite.HELPERS.update(
         rewrite.GRAD_ITEMS: _GradItems,
         rewrite.GRAD_ATTR: _grad_attr,
         rewrite.WITH_BACKWARD: _with_backward,
+        rewrite.GUARDED_BACKWARD: _guarded_backward,
+        rewrite.BODY_HERE: _body_here,
         rewrite.CALL_BACKWARD: _call_backward,
     }
 )

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,7 +62,8 @@ class ForwardRun:
         self._ran: set[nn.Module] = set()  # modules whose call returned
         self._addresses: dict[nn.Module, str] = {}
         self._params: dict[int, str] | None = None
-        self._sites: dict[int, Site] = {}
+        # id(view) -> its Site, or the Site's fields (made into one when first asked for)
+        self._sites: dict[int, Site | tuple[Any, ...]] = {}
         self._inputs_wanted: set[nn.Module] = set()
         self._arrived: dict[Barrier, list[Mediator]] = {}
         self._injected: dict[Mediator, dict[str, Any]] = {}  # what barriers handed each body
@@ -83,7 +83,18 @@ class ForwardRun:
 
     def site_of(self, tensor: Any) -> Site | None:
         site = self._sites.get(id(tensor))
+        if type(site) is tuple:
+            if site[5] is not tensor:
+                return None
+            site = self._sites[id(tensor)] = Site(*site)
         return site if site is not None and site.view is tensor else None
+
+    def served_rows(self, tensor: Any) -> tuple[tuple[int, int] | None, Any] | None:
+        """``(rows, full)`` of a served tensor (see :class:`Site`), making no Site."""
+        site = self._sites.get(id(tensor))
+        if type(site) is tuple:
+            return (site[4], site[3]) if site[5] is tensor else None
+        return (site.rows, site.full) if site is not None and site.view is tensor else None
 
     def site_name(self, key: tuple[str, nn.Module]) -> str:
         return site_name(self.address(key[1]), key[0])
@@ -124,7 +135,8 @@ class ForwardRun:
                 result, body = mediator.result, mediator.body
                 if result is not None and body is not None:
                     invoke.updates = saved_names(result, mediator.block, body.assigned)
-                    invoke.updates.update({name: result[name] for name in body.writeback if name in result})
+                    if body.writeback:  # nonlocal names the body assigned (rare)
+                        invoke.updates.update({name: result[name] for name in body.writeback if name in result})
                 mediator.result = None
         finally:
             for mediator in self.mediators:
@@ -143,17 +155,11 @@ class ForwardRun:
         subscription = None
         try:
             subscription = module_calls.subscribe(self)
-            with store.hooks() if store is not None else nullcontext():
-                for mediator in self.mediators:
-                    mediator.start()
-                    self._after(mediator)
-                output = self.model(*args, **kwargs)
-                # The model's own output is served here, once its call has
-                # returned: what a body does next (its backward, often) then
-                # runs with no forward frame left waiting under it, which
-                # measurably slows a backward run from inside a forward hook.
-                output = self._serve_all((OUTPUT, self.model), output)
-                self._finish()
+            if store is None:
+                output = self._call_model(args, kwargs)
+            else:
+                with store.hooks():
+                    output = self._call_model(args, kwargs)
         except StopRun:
             pass
         except BaseException as exc:  # the model (or an interrupt) failed: stop every body
@@ -162,7 +168,10 @@ class ForwardRun:
             if subscription is not None:
                 subscription.cancel()
             self._inputs_wanted.clear()
-            failed = next((m.error for m in self.mediators if m.error is not None), None)
+            for mediator in self.mediators:  # the first body error (a loop: this runs every trace)
+                if mediator.error is not None:
+                    failed = mediator.error
+                    break
             for mediator in self.mediators:
                 mediator.cancel()
             self._sites.clear()
@@ -170,6 +179,19 @@ class ForwardRun:
             self._arrived.clear()
             self._injected.clear()
         return output, error, failed
+
+    def _call_model(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        for mediator in self.mediators:
+            mediator.start()
+            self._after(mediator)
+        output = self.model(*args, **kwargs)
+        # The model's own output is served here, once its call has
+        # returned: what a body does next (its backward, often) then
+        # runs with no forward frame left waiting under it, which
+        # measurably slows a backward run from inside a forward hook.
+        output = self._serve_all((OUTPUT, self.model), output)
+        self._finish()
+        return output
 
     def _batch_inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if len(self.invokes) == 1:
@@ -199,7 +221,8 @@ class ForwardRun:
     def _finish(self) -> None:
         """Tell every body still waiting that its value never came, and why."""
         for mediator in self.mediators:
-            answer_unserved(mediator, _is_module_request, lambda pending, m=mediator: self._unserved(m, pending), self._after)
+            if not mediator.done:
+                answer_unserved(mediator, _is_module_request, lambda pending, m=mediator: self._unserved(m, pending), self._after)
         while self._arrived:
             self._unfilled(next(iter(self._arrived)))
 
@@ -360,7 +383,13 @@ class ForwardRun:
             invoke = mediator.block.invoke
             assert invoke is not None
             rows = invoke.rows
-            event = Event(key, rows_mod.take(value, rows, batch, self._remember(key, invoke)), self._merger(key, invoke, value))
+            if rows is None and type(value) is torch.Tensor:  # one invoke, one tensor: the usual case
+                if id(value) not in self._sites:
+                    self._sites[id(value)] = (self, key, invoke.index, value, None, value)
+                event = Event(key, value)
+            else:
+                merge = self._merger(key, invoke, value) if rows is not None else None
+                event = Event(key, rows_mod.take(value, rows, batch, self._remember(key, invoke)), merge)
             mediator.serve(event)
             self._after(mediator)
             if event.replaced:
@@ -373,7 +402,7 @@ class ForwardRun:
             # The first-served name wins: fc2's output is also the model's.
             if id(view) not in self._sites:
                 rows = invoke.rows if view is not full else None
-                self._sites[id(view)] = Site(self, key, invoke.index, full, rows, view)
+                self._sites[id(view)] = (self, key, invoke.index, full, rows, view)
 
         return remember
 

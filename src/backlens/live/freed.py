@@ -20,7 +20,6 @@ trace exit frees them even while the user still holds the output.
 from __future__ import annotations
 
 import contextvars
-import threading
 from contextlib import AbstractContextManager
 from typing import Any, NamedTuple
 
@@ -96,14 +95,14 @@ def _capital(text: str) -> str:
 
 # Set while backlens runs a `.backward()` it records itself.
 recording_own = contextvars.ContextVar("backlens_recording_own_backward", default=False)
-_watching: set[object] = set()  # one token per trace running now (any thread)
-_watch_lock = threading.Lock()
 
 
 def _on_engine_run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    if recording_own.get():  # a backward backlens records itself (every block's)
+        return
     block = current_block()
     tracer = block.tracer if block is not None else None
-    if tracer is None or recording_own.get():
+    if tracer is None:
         return
     frame, _ = user_frame(1)
     if frame is None:
@@ -131,8 +130,7 @@ class _EngineWatch:
 
     def __enter__(self) -> None:
         try:
-            _watching.add(self._token)
-            _sync_watch()
+            engine.watch(_on_engine_run, self._token)
         except BaseException:
             complete(self._leave)
             raise
@@ -145,18 +143,7 @@ class _EngineWatch:
             raise
 
     def _leave(self) -> None:
-        _watching.discard(self._token)
-        _sync_watch()
-
-
-def _sync_watch() -> None:
-    """Observe exactly while some trace runs (idempotent)."""
-    with _watch_lock:
-        observing = engine.observing(_on_engine_run)
-        if _watching and not observing:
-            engine.observe(_on_engine_run)
-        elif not _watching and observing:
-            engine.unobserve(_on_engine_run)
+        engine.unwatch(_on_engine_run, self._token)
 
 
 class GraphStore:

@@ -67,6 +67,28 @@ class GraphIndex:
         return found
 
 
+def met_within(root: Any, goal: Any, limit: int) -> bool:
+    """Whether a breadth-first walk from ``root`` meets ``goal`` among its first ``limit`` nodes
+    (False says only that it was not met so far).
+
+    A few nodes below a loss, before its backward starts: a flat loop, which
+    costs less there than the general walker, and less than the hook the
+    engine would otherwise call at its first node to ask it.
+    """
+    queue = [root]
+    met = {id(root)}
+    for node in queue:  # grows as it goes
+        for child, _ in node.next_functions:
+            if child is goal:
+                return True
+            if child is not None and id(child) not in met:
+                if len(met) >= limit:
+                    return False
+                met.add(id(child))
+                queue.append(child)
+    return False
+
+
 def reaches(start: Any, goal: Any) -> bool:
     """True when ``goal`` lies below ``start`` (so ``start`` runs before ``goal``).
 

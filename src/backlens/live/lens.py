@@ -66,7 +66,9 @@ class Lens:
         every backward in the trace and frees it when the trace exits.
         """
         tracer = Tracer(self, args, kwargs, keep_graph=keep_graph)
-        error: BacklensError | None = _args.problem(_args.flag, keep_graph, "keep_graph", "lens.trace")
+        error: BacklensError | None = None
+        if keep_graph is not False and keep_graph is not True:
+            error = _args.problem(_args.flag, keep_graph, "keep_graph", "lens.trace")
         if self._lens_address:
             error = TraceError(
                 f"trace() was called on the lens of {self._lens_spelled}; a trace runs the whole "
@@ -137,7 +139,7 @@ class Lens:
             and block.kind == "invoke"
             and block.forward is not None
             and block.mediator is not None
-            and block.forward.tracer._lens_root_of is self._lens_root
+            and block.forward.tracer._lens._lens_root is self._lens_root
         ):
             return block.forward.value_for(block.mediator, self._lens_module, self._lens_spelled, kind)
         raise self._refusal(block, attr)

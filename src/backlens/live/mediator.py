@@ -167,7 +167,8 @@ class Mediator:
 
     def serve(self, event: Event) -> None:
         """Hand ``event`` to the body waiting for it; return when it yields again."""
-        self._resume(event)
+        self._state.to_body()
+        self._glet.switch(event)  # type: ignore[union-attr]
 
     def fail(self, error: BaseException) -> None:
         """Raise ``error`` in the body at its pending request; return when it yields again."""

@@ -5,7 +5,10 @@ kinds of expression are turned into calls to backlens on the way, so that
 nothing needs patching in torch for them:
 
 * ``X.backward(...)``, in every body: as the expression of a ``with`` it makes
-  a backward block (:data:`WITH_BACKWARD`); elsewhere it is a plain backward
+  a backward block (:data:`WITH_BACKWARD`; the only one of its ``with``:
+  :data:`GUARDED_BACKWARD`, and the statement's body is put under
+  ``if BODY_HERE():``, which skips it where the block runs it itself, with
+  no trace function and no exception); elsewhere it is a plain backward
   that, inside a trace, warns that intermediate ``.grad`` stays ``None`` and
   explains a freed shared graph (:data:`CALL_BACKWARD`). Both act only on
   tensors; anything else with a ``backward`` method is called as it is.
@@ -55,6 +58,8 @@ GRAD_TARGET = PREFIX + "grad_target__"
 GRAD_ITEMS = PREFIX + "grad_items__"
 GRAD_ATTR = PREFIX + "grad_attr__"
 WITH_BACKWARD = PREFIX + "with_backward__"
+GUARDED_BACKWARD = PREFIX + "guarded_backward__"
+BODY_HERE = PREFIX + "body_here__"
 CALL_BACKWARD = PREFIX + "call_backward__"
 # Filled by backward.py: the function each name above calls.
 HELPERS: dict[str, Any] = {}
@@ -106,6 +111,7 @@ class _Rewriter(ast.NodeTransformer):
         self.filename = filename
         self.used: set[str] = set()
         self._with_items: set[int] = set()
+        self._guarded: set[int] = set()
 
     def _helper(self, name: str, like: ast.AST) -> ast.Name:
         self.used.add(name)
@@ -113,12 +119,19 @@ class _Rewriter(ast.NodeTransformer):
 
     # -- .backward() ---------------------------------------------------------
     def visit_With(self, node: ast.With) -> ast.AST:
-        for item in node.items:
-            if _is_backward_call(item.context_expr):
-                self._with_items.add(id(item.context_expr))
-                # Refused with the enclosing block, before anything of it runs.
-                refuse_grad_forms(node.body, self.filename, "loss.backward()")
-        return self.generic_visit(node)
+        backwards = [item.context_expr for item in node.items if _is_backward_call(item.context_expr)]
+        for expr in backwards:
+            self._with_items.add(id(expr))
+            # Refused with the enclosing block, before anything of it runs.
+            refuse_grad_forms(node.body, self.filename, "loss.backward()")
+        if len(backwards) == 1:
+            self._guarded.add(id(backwards[0]))
+        self.generic_visit(node)
+        if len(backwards) == 1:
+            first = node.body[0]
+            test = ast.copy_location(ast.Call(func=self._helper(BODY_HERE, first), args=[], keywords=[]), first)
+            node.body = [ast.copy_location(ast.If(test=test, body=node.body, orelse=[]), first)]
+        return node
 
     def visit_Call(self, node: ast.Call) -> ast.AST:
         with_item = id(node) in self._with_items
@@ -131,7 +144,10 @@ class _Rewriter(ast.NodeTransformer):
         self.generic_visit(node)
         func = node.func
         if isinstance(func, ast.Attribute) and func.attr == "backward":
-            helper = WITH_BACKWARD if with_item else CALL_BACKWARD
+            if with_item:
+                helper = GUARDED_BACKWARD if id(node) in self._guarded else WITH_BACKWARD
+            else:
+                helper = CALL_BACKWARD
             # Only the callee changes: the call keeps its source position, by which a
             # with item is recognised (source.with_item_at).
             node.func = ast.copy_location(

@@ -40,7 +40,11 @@ def save(value: T) -> T:
 
 def _tensor_save(self: torch.Tensor) -> torch.Tensor:
     """Mark this tensor to reach the caller's scope after the trace (see ``bl.save``)."""
-    return save(self)
+    block = current_block()
+    if block is None:
+        return save(self)  # raises save_outside_trace
+    block.saved[id(self)] = self  # Block.keep, inlined: a body's last line, in every trace
+    return self
 
 
 def install_tensor_save() -> None:

@@ -18,6 +18,7 @@ in place: :meth:`Skipper.missed` is the error that says so, naming the tracer.
 
 from __future__ import annotations
 
+import contextvars
 import ctypes
 import dis
 import inspect
@@ -160,6 +161,41 @@ class Skipper:
                 return tb.tb_lineno >= self.first_line  # type: ignore[operator]
             tb = tb.tb_next
         return True  # raised from a frame the body called, not seen here: assume the body
+
+
+_guarding: contextvars.ContextVar[Any] = contextvars.ContextVar("backlens_live_guarding", default=None)
+guarding = _guarding.get
+"""The block whose guarded ``with`` statement is being entered in this body, or None."""
+
+
+class GuardSkip:
+    """What :class:`Skipper` does, for a body's backward ``with`` statement that the rewrite put
+    under a guard (``if BODY_HERE():``, ``rewrite.py``): the guard, reached where the body
+    starts, reads torch's modes there and says to skip. Nothing to install or restore."""
+
+    __slots__ = ("fired", "state", "_token")
+
+    def __init__(self, block: Any):
+        self.fired = False
+        self.state: CallerState | None = None
+        self._token: Any = _guarding.set(block)
+
+    def reach(self) -> None:
+        self.fired = True
+        self.state = CallerState.capture()
+        self.restore()
+
+    def restore(self) -> None:
+        token = self._token
+        if token is not None:
+            self._token = None
+            _guarding.reset(token)
+
+    def missed(self, exc: BaseException | None) -> None:
+        return None
+
+    def owns(self, exc: BaseException | None) -> bool:
+        return False
 
 
 def _frames_up_to(frame: types.FrameType | None, caller: types.FrameType) -> list[types.FrameType]:

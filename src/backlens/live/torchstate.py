@@ -90,10 +90,13 @@ class CallerState(NamedTuple):
 
     @classmethod
     def capture(cls) -> CallerState:
-        return _new(cls, (_grad_enabled(), _inference_enabled(), _autocast_now()))
+        autocast = _NO_AUTOCAST if _any_autocast is not None and not _any_autocast() else _autocast_now()
+        return _new(cls, (_grad_enabled(), _inference_enabled(), autocast))
 
-    def applied(self) -> _Applied:
+    def applied(self) -> Any:
         """Apply this state to the calling thread for the duration (no-op when it already holds)."""
+        if CallerState.capture() == self:  # the usual case: nothing to apply or undo
+            return _NOTHING
         return _Applied(self)
 
     def apply_over(self, current: CallerState) -> list[Callable[[], None]]:
@@ -154,7 +157,9 @@ class StateSwitch:
 
     def to_body(self) -> None:
         """Called by the driver right before it switches to the body."""
-        self.driver = current = _new(CallerState, (_grad_enabled(), _inference_enabled(), _autocast_now()))
+        # _autocast_now() inlined for its usual answer (this runs at every switch).
+        autocast = _NO_AUTOCAST if _any_autocast is not None and not _any_autocast() else _autocast_now()
+        self.driver = current = _new(CallerState, (_grad_enabled(), _inference_enabled(), autocast))
         if self._undo is not None:
             self._restore()
         elif current != self.body:
@@ -162,7 +167,8 @@ class StateSwitch:
 
     def to_driver(self) -> None:
         """Called by the body right before it switches back to the driver."""
-        self.body = current = _new(CallerState, (_grad_enabled(), _inference_enabled(), _autocast_now()))
+        autocast = _NO_AUTOCAST if _any_autocast is not None and not _any_autocast() else _autocast_now()
+        self.body = current = _new(CallerState, (_grad_enabled(), _inference_enabled(), autocast))
         driver = self.driver
         if self._undo is not None:
             self._restore()

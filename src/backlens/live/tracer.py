@@ -130,7 +130,8 @@ class Tracer(WithBody):
                 finally:
                     self._collecting = False
                 updates.update(saved_names(final, block, body.assigned))
-                updates.update({name: final[name] for name in body.writeback if name in final})
+                if body.writeback:  # nonlocal names the body assigned (rare)
+                    updates.update({name: final[name] for name in body.writeback if name in final})
                 if not self._invokes:
                     raise TraceError(
                         f"the trace at {self._source.where} has no inputs: pass them to lens.trace(...) "

@@ -27,7 +27,7 @@ from backlens.errors import BacklensError
 from backlens.live import compiler
 from backlens.live.context import current_block
 from backlens.live.save import add_save_hint
-from backlens.live.skip import SkipBody, Skipper, write_locals
+from backlens.live.skip import GuardSkip, SkipBody, Skipper, write_locals
 from backlens.live.source import BlockSource, find_block
 from backlens.live.torchstate import CallerState
 
@@ -73,7 +73,8 @@ class WithBody:
 
     _frame: types.FrameType | None = None
     _source: BlockSource | None = None
-    _skip: Skipper | None = None
+    _skip: Skipper | GuardSkip | None = None
+    _guarded = False  # made by a guarded `with` statement of a body (rewrite.py), not entered yet
 
     def _prepare(self, source: BlockSource) -> None:
         """Checks made when the block is made (the errors a refusal raises)."""
@@ -87,9 +88,22 @@ class WithBody:
             compiler.check(source, self._what, self._grads)
             self._source = source
         self._frame = frame
+        if self._guarded:  # entered by the statement that made it: its guard skips the body
+            self._guarded = False
+            self._skip = GuardSkip(self)
+            return source
         self._skip = Skipper(frame, source.skip_line)
         self._skip.install()
         return source
+
+    def _reach_guard(self, frame: types.FrameType) -> bool:
+        """The guard of the statement entering this block was reached in ``frame``: whether
+        the statements run in place (only when it is another statement's guard)."""
+        skip = self._skip
+        if type(skip) is not GuardSkip or frame is not self._frame or skip.fired:
+            return True
+        skip.reach()
+        return False
 
     def _run(self, frame: types.FrameType, state: CallerState) -> dict[str, Any]:
         raise NotImplementedError
