@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import linecache
 import traceback
+import weakref
 
 import pytest
 import torch
@@ -189,6 +190,21 @@ def test_tuple_outputs_are_served_whole_and_per_invoke(x):
     assert torch.equal(got[0][0], x[:2] + 1) and got[0][1] is None
     assert torch.equal(got[1][0], x[2:] + 1)
     assert torch.equal(got["out"], torch.zeros(3, 4))
+
+
+def test_a_finished_trace_keeps_nothing_of_the_models_output_alive(mlp, lens, x):
+    outputs = []
+    handle = mlp.register_forward_hook(lambda module, args, output: outputs.append(weakref.ref(output)))
+    try:
+        for _ in range(2):  # the second run reuses the parked coroutines of the first
+            with lens.trace(x):
+                hidden = lens.fc2.output
+                with lens.output.sum().backward():
+                    hidden.grad.save()
+    finally:
+        handle.remove()
+    assert len(outputs) == 2
+    assert [ref() for ref in outputs] == [None, None]  # freed when the trace ended, no collection needed
 
 
 def test_a_trace_of_one_input_is_served_the_modules_own_output_object(x):

@@ -91,6 +91,7 @@ class _Coroutine(greenlet.greenlet):
 
     site: int | None
     launcher: greenlet.greenlet | None
+    handed: Any = None  # what its last job returned, until the parent takes it (see _run_jobs)
 
 
 class _Thread(threading.local):
@@ -106,6 +107,7 @@ class _Thread(threading.local):
 
 
 _thread = _Thread()
+_HANDED = object()  # switched to a parent by a coroutine that parked: its result is its ``handed``
 
 
 def _run_jobs(job: Callable[[], Any]) -> Any:
@@ -121,7 +123,12 @@ def _run_jobs(job: Callable[[], Any]) -> Any:
         # Parked under the thread's root, so a parked coroutine keeps no driver alive.
         me.parent = _thread.root
         me.gr_context = None
-        job = receiver.switch(result)
+        # Handed over on the coroutine, not as the switch's argument, which this frame would hold
+        # while parked: a driver's result is the model's output, kept alive until the next run
+        # ends (and then freed in the middle of it, where glibc gives the heap back to the OS).
+        me.handed = result
+        result = None
+        job = receiver.switch(_HANDED)
         if job is None:  # ended to make room
             return None
 
@@ -245,6 +252,8 @@ def _run(job: Callable[[], T], launcher: greenlet.greenlet, site: int | None) ->
             while True:
                 reply = target.switch(value)  # the one switch that enters this run's coroutines
                 if type(reply) is not _Launch:
+                    if reply is _HANDED:  # the driver's job returned, and the driver parked
+                        reply, driver.handed = driver.handed, None
                     return reply  # the driver's job returned
                 target, value = reply.glet, reply.job
         except BaseException as exc:
