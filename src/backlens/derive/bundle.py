@@ -26,7 +26,7 @@ from backlens._version import __version__
 from backlens.derive.record import EXACT, DerivedGrads, IntermediateGrad, IntermediateGrads
 from backlens.derive.saving import DTYPES, FORMAT, FORMAT_VERSION, KIND, MANIFEST, TENSORS, checksum
 from backlens.errors import BundleError
-from backlens.io.files import BundleDir, parse_json, peek_manifest, read_exact
+from backlens.io.files import BundleDir, manifest_is, parse_json, read_exact
 
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 MAX_MANIFEST_MEMORY = 384 * 1024 * 1024  # what reading the manifest may take (io/files.parse_json)
@@ -41,13 +41,7 @@ def is_derived(root: str | os.PathLike) -> bool:
     A small manifest is parsed; a large one is recognised by its opening, which
     derive/saving.py always writes ``{"format": "backlens.derived", "kind": "derived"``.
     """
-    found = peek_manifest(root, MANIFEST)
-    if found is None:
-        return False
-    manifest, opening = found
-    if manifest is None:
-        return _OPENING.match(opening) is not None
-    return isinstance(manifest, dict) and manifest.get("kind") == KIND
+    return manifest_is(root, MANIFEST, _OPENING, lambda manifest: manifest.get("kind") == KIND)
 
 
 def load(root: str | os.PathLike, *, verify: bool = True) -> DerivedGrads:

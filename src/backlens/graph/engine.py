@@ -128,13 +128,6 @@ def arm(participant: Participant) -> None:
             _participants.append(weakref.ref(participant))
 
 
-def observe(observer: Any) -> None:
-    """Call ``observer(args, kwargs)`` before every engine run (installs the wrapper with the first one)."""
-    with _lock:
-        _torch.install_engine_wrapper(_wrapper_of)
-        _observers.append(observer)
-
-
 def observing(observer: Any) -> bool:
     return observer in _observers
 
@@ -143,8 +136,8 @@ _holders: dict[Any, set[object]] = {}  # observer -> the tokens that hold it (wa
 
 
 def watch(observer: Any, token: object) -> None:
-    """Observe with ``observer`` while any token holds it: :func:`observe` the first time,
-    in one step (live traces take and leave it at every trace)."""
+    """Call ``observer(args, kwargs)`` before every engine run while any token holds it (the
+    wrapper installed with the first observer; live traces take and leave it at every trace)."""
     with _lock:
         holders = _holders.get(observer)
         if holders is None:
@@ -156,7 +149,8 @@ def watch(observer: Any, token: object) -> None:
 
 
 def unwatch(observer: Any, token: object) -> None:
-    """Let ``token`` go; the last one's leaving is :func:`unobserve` (idempotent)."""
+    """Let ``token`` go; the last one's leaving stops the observer, and restores torch's entry
+    point when nothing else needs the wrapper (idempotent)."""
     with _lock:
         holders = _holders.get(observer)
         if holders is not None:
@@ -166,13 +160,6 @@ def unwatch(observer: Any, token: object) -> None:
         if observer in _observers:
             _observers.remove(observer)
             _uninstall_when_unused()
-
-
-def unobserve(observer: Any) -> None:
-    with _lock:
-        if observer in _observers:
-            _observers.remove(observer)
-        _uninstall_when_unused()
 
 
 def disarm(participant: Participant) -> None:

@@ -22,6 +22,7 @@ import json
 import os
 import re
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -281,3 +282,16 @@ def peek_manifest(root: str | os.PathLike, name: str = "manifest.json") -> tuple
         return parse_json(head, directory.path(name), "manifest"), b""
     except BundleError:
         return None
+
+
+def manifest_is(root: str | os.PathLike, name: str, opening: re.Pattern[bytes],
+                accept: Callable[[dict[str, Any]], bool]) -> bool:
+    """Whether ``root`` holds a manifest ``name`` of one kind, by :func:`peek_manifest` (never
+    raises): a small one parsed and passed to ``accept``, a large one by its ``opening``."""
+    found = peek_manifest(root, name)
+    if found is None:
+        return False
+    manifest, head = found
+    if manifest is None:
+        return opening.match(head) is not None
+    return isinstance(manifest, dict) and accept(manifest)

@@ -27,7 +27,7 @@ import re
 from pathlib import Path
 
 from backlens.errors import BundleError
-from backlens.io.files import BundleDir, peek_manifest
+from backlens.io.files import BundleDir, manifest_is
 from backlens.io.names import MANIFEST, STREAM_MARKER
 
 STREAM_MARKER_TEXT = json.dumps({"format": "backlens.bundle-stream"})
@@ -43,13 +43,7 @@ _LEFTOVER = re.compile(r"\A\.(?P<name>.+)\.(?:partial|old)-[0-9a-f]{12}\Z")
 
 def holds_manifest(path: Path) -> bool:
     """Whether ``path`` is a directory whose ``manifest.json`` is a backlens bundle manifest."""
-    found = peek_manifest(path, MANIFEST)
-    if found is None:
-        return False
-    manifest, opening = found
-    if manifest is None:
-        return _OPENING.match(opening) is not None
-    return isinstance(manifest, dict) and manifest.get("format") in BUNDLE_FORMATS
+    return manifest_is(path, MANIFEST, _OPENING, lambda manifest: manifest.get("format") in BUNDLE_FORMATS)
 
 
 def holds_stream_marker(path: Path) -> bool:

@@ -198,6 +198,16 @@ def compile_body(block: BlockSource, frame: types.FrameType, what: str, grads: b
     return CompiledBody(fn, namespace, first_value, shape.assigned, shape.writeback, block)
 
 
+def _from_namespace(name: str, key: str, where: dict[str, int]) -> ast.Assign:
+    """``name = <the body's namespace>[key]``: a prologue line binding a local before the body."""
+    return ast.Assign(
+        targets=[ast.Name(id=name, ctx=ast.Store(), **where)],
+        value=ast.Subscript(value=ast.Name(id=_NS, ctx=ast.Load(), **where),
+                            slice=ast.Constant(value=key, **where), ctx=ast.Load(), **where),
+        **where,
+    )
+
+
 def _compile(
     block: BlockSource,
     present: tuple[str, ...],
@@ -216,33 +226,9 @@ def _compile(
     declared = sorted(block.declared_global & _identifiers(block.body))
     if declared:
         prologue.append(ast.Global(names=declared, **where))
-    for var in present:
-        prologue.append(
-            ast.Assign(
-                targets=[ast.Name(id=var, ctx=ast.Store(), **where)],
-                value=ast.Subscript(
-                    value=ast.Name(id=_NS, ctx=ast.Load(), **where),
-                    slice=ast.Constant(value=mangle(var), **where),
-                    ctx=ast.Load(),
-                    **where,
-                ),
-                **where,
-            )
-        )
+    prologue += [_from_namespace(var, mangle(var), where) for var in present]
     body, helpers = rewrite.rewrite(_without_declarations(block.body), grads, block.filename, what)
-    for helper in helpers:
-        prologue.append(
-            ast.Assign(
-                targets=[ast.Name(id=helper, ctx=ast.Store(), **where)],
-                value=ast.Subscript(
-                    value=ast.Name(id=_NS, ctx=ast.Load(), **where),
-                    slice=ast.Constant(value=helper, **where),
-                    ctx=ast.Load(),
-                    **where,
-                ),
-                **where,
-            )
-        )
+    prologue += [_from_namespace(helper, helper, where) for helper in helpers]
     if unbound:
         # Never runs; makes the names locals, so a barrier can bind them.
         prologue.append(

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from backlens._output import not_writable
+from backlens._output import make_parent, not_writable
 from backlens.errors import UnsupportedInputError
 from backlens.monitoring.alerts import Alert
 from backlens.monitoring.series import COLUMNS, ROOT_TAG_NAME, Series, empty_frame, tag_of
@@ -172,9 +172,7 @@ def _open(item: Any, where: str) -> Sink:
         if os.path.isdir(path):
             raise UnsupportedInputError(f"{where}: sink {path!r} is a directory, not a CSV file.",
                                         code="bad_sink", remedy="Name a file: sink='grads.csv'.")
-        parent = os.path.dirname(path)
-        if parent:
-            os.makedirs(parent, exist_ok=True)
+        make_parent(path)
         return CsvSink(path)
     if os.path.exists(path) and not os.path.isdir(path):
         raise UnsupportedInputError(
