@@ -17,9 +17,21 @@ Two measurements (API.md §2):
 
 The peer runs in its own virtual environment, created by this script under
 /tmp (torch pinned first, so pip never fetches a CUDA build); it is never a
-dependency of backlens. It is measured by a worker subprocess running this
-same file, and the two sides take turns round by round (who goes first
-alternating), so drift in a shared machine's load hits both alike.
+dependency of backlens. Each side is measured by a worker subprocess running
+this same file, started the same way, and the two take turns round by round
+(who goes first alternating), so drift in a shared machine's load hits both
+alike.
+
+Both workers run with glibc's malloc thresholds fixed (``MALLOC_MMAP_THRESHOLD_``
+32 MiB, ``MALLOC_TRIM_THRESHOLD_`` 64 MiB: where glibc's own adjustment ends
+once a process has freed a large block). Left to adjust, they depend on the
+largest block each process happened to free before (while importing, say):
+one process then gives the top of its heap back to the OS after every step
+and faults it in again in the next (hundreds of page faults a step, a
+traced step more than a plain one as its body keeps tensors alive), another
+does not, and the comparison measures that accident instead of the
+libraries. The page faults of each side's steps are printed;
+``--malloc-as-is`` leaves the thresholds to glibc.
 
     python bench/live.py                 # both
     python bench/live.py --skip-peer     # no nnsight
@@ -33,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -42,6 +55,7 @@ from pathlib import Path
 PEER_VENV = Path(os.environ.get("BACKLENS_PEER_VENV", "/tmp/backlens-nnsight-venv"))
 TORCH_PIN = "torch==2.13.0"
 PEER_PIN = os.environ.get("BACKLENS_PEER_SPEC", "nnsight")
+FIXED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(64 << 20)}
 BODIES = ("forward", "forward+backward", "forward edit")
 
 
@@ -180,11 +194,14 @@ class Workload:
         if not traced_first:
             first, second = second, first
         for name, fn in (first, second, second, first):
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             wall, cpu = time.perf_counter(), time.process_time()
             fn()
             wall, cpu = (time.perf_counter() - wall) * 1e3, (time.process_time() - cpu) * 1e3
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
             timing[name] = min(timing.get(name, wall), wall)
             timing[name + " cpu"] = min(timing.get(name + " cpu", cpu), cpu)
+            timing[name + " faults"] = timing.get(name + " faults", 0) + faults / 2
         timing["same"] = float(self.same)
         return timing
 
@@ -201,9 +218,9 @@ def _peer_wrap(model):
     return NNsight(model)
 
 
-def worker_role(gpt2: bool) -> None:
-    """Run inside the peer's venv: answer one JSON request per line (a round) on stdout."""
-    work = Workload(_peer_wrap, gpt2)
+def worker_role(side: str, gpt2: bool) -> None:
+    """Run in a worker: answer one JSON request per line (a round) on stdout."""
+    work = Workload(_ours_wrap if side == "backlens" else _peer_wrap, gpt2)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)
@@ -214,18 +231,19 @@ def worker_role(gpt2: bool) -> None:
         print(json.dumps(answer), flush=True)
 
 
-class PeerSide:
-    """The peer's worker subprocess, asked for one round at a time."""
+class Side:
+    """One side's worker subprocess (``python`` runs it), asked for one round at a time."""
 
-    def __init__(self, python: Path, gpt2: bool):
-        args = [str(python), __file__, "--role", "peer-worker"] + ([] if gpt2 else ["--skip-gpt2"])
-        self.process = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    def __init__(self, name: str, python: Path | str, gpt2: bool, env: dict[str, str]):
+        args = [str(python), __file__, "--role", "worker", "--side", name] + ([] if gpt2 else ["--skip-gpt2"])
+        self.process = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.name = name
         self._read()
 
     def _read(self) -> dict[str, float]:
         line = self.process.stdout.readline()  # type: ignore[union-attr]
         if not line:
-            raise RuntimeError("the peer's worker stopped")
+            raise RuntimeError(f"the {self.name} worker stopped")
         return json.loads(line)
 
     def ask(self, **request) -> dict[str, float]:
@@ -236,16 +254,6 @@ class PeerSide:
     def close(self) -> None:
         self.process.stdin.close()  # type: ignore[union-attr]
         self.process.wait(timeout=60)
-
-
-class OurSide:
-    def __init__(self, gpt2: bool):
-        self.work = Workload(_ours_wrap, gpt2)
-
-    def ask(self, **request) -> dict[str, float]:
-        if request["what"] == "gpt2":
-            return self.work.gpt2(request["traced_first"])
-        return self.work.fixed(request["body"], request["repeats"], request["clock"])
 
 
 # -- the peer's environment ---------------------------------------------------
@@ -279,29 +287,35 @@ def _turns(sides: dict, r: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--role", choices=["main", "peer-worker"], default="main")
+    parser.add_argument("--role", choices=["main", "worker"], default="main")
+    parser.add_argument("--side", choices=["backlens", "nnsight"], default="backlens", help=argparse.SUPPRESS)
     parser.add_argument("--rounds", type=int, default=60, help="GPT-2 rounds per side")
     parser.add_argument("--repeats", type=int, default=300, help="timed traces per tiny-model round")
     parser.add_argument("--alternations", type=int, default=8, help="tiny-model rounds per side and body")
     parser.add_argument("--clock", choices=list(CLOCKS), default="cpu", help="clock of the tiny-model figures")
     parser.add_argument("--skip-peer", action="store_true")
     parser.add_argument("--skip-gpt2", action="store_true")
+    parser.add_argument("--malloc-as-is", action="store_true", help="leave glibc's malloc thresholds to glibc")
     args = parser.parse_args()
 
-    if args.role == "peer-worker":
-        worker_role(not args.skip_gpt2)
+    if args.role == "worker":
+        worker_role(args.side, not args.skip_gpt2)
         return
 
     gpt2 = not args.skip_gpt2
-    sides: dict = {"backlens": OurSide(gpt2)}
-    python = None if args.skip_peer else ensure_peer()
-    if python is not None:
-        sides["nnsight"] = PeerSide(python, gpt2)
+    env = dict(os.environ) if args.malloc_as_is else {**os.environ, **FIXED_MALLOC}
+    print("malloc thresholds: " + ("as glibc sets them" if args.malloc_as_is else " ".join(f"{k}={v}" for k, v in FIXED_MALLOC.items())))
+    sides: dict = {}
     try:
+        sides["backlens"] = Side("backlens", sys.executable, gpt2, env)
+        python = None if args.skip_peer else ensure_peer()
+        if python is not None:
+            sides["nnsight"] = Side("nnsight", python, gpt2, env)
         if gpt2:
             print("GPT-2 (4 layers, n_embd 256, batch 4 x seq 64, 1 thread): all four blocks' output gradients")
             ratios: dict[str, dict[str, list[float]]] = {name: {"wall": [], "cpu": []} for name in sides}
             plain_ms: dict[str, list[float]] = {name: [] for name in sides}
+            faults: dict[str, dict[str, list[float]]] = {name: {"plain": [], "traced": []} for name in sides}
             same = {name: True for name in sides}
             for r in range(args.rounds):
                 for name, side in _turns(sides, r):
@@ -309,6 +323,8 @@ def main() -> None:
                     ratios[name]["wall"].append(got["traced"] / got["plain"])
                     ratios[name]["cpu"].append(got["traced cpu"] / got["plain cpu"])
                     plain_ms[name].append(got["plain cpu"])
+                    for kind in ("plain", "traced"):
+                        faults[name][kind].append(got[kind + " faults"])
                     same[name] = same[name] and bool(got["same"])
             for name in sides:
                 print(
@@ -316,6 +332,10 @@ def main() -> None:
                     f"   wall time {_span(ratios[name]['wall'], 'x', 3)}"
                     f"   (median [range] of {args.rounds} rounds; plain step {statistics.median(plain_ms[name]):.1f} ms CPU)"
                     f"   gradients {'equal to' if same[name] else 'NOT EQUAL to'} plain autograd"
+                )
+                print(
+                    f"  {'':9s} page faults per step (median): plain {statistics.median(faults[name]['plain']):.0f},"
+                    f" traced {statistics.median(faults[name]['traced']):.0f}"
                 )
             if len(sides) > 1:
                 for clock in ("cpu", "wall"):
@@ -339,9 +359,8 @@ def main() -> None:
                 line += "   (ours no higher)" if ours <= theirs else "   (ours higher)"
             print(line)
     finally:
-        peer = sides.get("nnsight")
-        if peer is not None:
-            peer.close()
+        for side in sides.values():
+            side.close()
 
 
 if __name__ == "__main__":
