@@ -201,7 +201,7 @@ class Workload:
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
             timing[name] = min(timing.get(name, wall), wall)
             timing[name + " cpu"] = min(timing.get(name + " cpu", cpu), cpu)
-            timing[name + " faults"] = timing.get(name + " faults", 0) + faults / 2
+            timing[name + " faults"] = timing.get(name + " faults", 0) + faults / 2  # the mean of its two steps
         timing["same"] = float(self.same)
         return timing
 
@@ -234,7 +234,7 @@ def worker_role(side: str, gpt2: bool) -> None:
 class Side:
     """One side's worker subprocess (``python`` runs it), asked for one round at a time."""
 
-    def __init__(self, name: str, python: Path | str, gpt2: bool, env: dict[str, str]):
+    def __init__(self, name: str, python: Path | str, gpt2: bool, env: dict[str, str] | None):
         args = [str(python), __file__, "--role", "worker", "--side", name] + ([] if gpt2 else ["--skip-gpt2"])
         self.process = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.name = name
@@ -303,7 +303,7 @@ def main() -> None:
         return
 
     gpt2 = not args.skip_gpt2
-    env = dict(os.environ) if args.malloc_as_is else {**os.environ, **FIXED_MALLOC}
+    env = None if args.malloc_as_is else {**os.environ, **FIXED_MALLOC}
     print("malloc thresholds: " + ("as glibc sets them" if args.malloc_as_is else " ".join(f"{k}={v}" for k, v in FIXED_MALLOC.items())))
     sides: dict = {}
     try:

@@ -110,11 +110,6 @@ def _is_empty(path: Path, but: tuple[str, ...] = ()) -> bool:
         return all(entry.name in but for entry in entries)
 
 
-def _write_failed(path: Path, exc: OSError) -> BundleError:
-    return BundleError(f"{path}: cannot write the bundle ({exc.strerror or exc}).", code="bundle_write_failed",
-                       remedy="Choose a writable location with enough free space.")
-
-
 class DiskStore:
     """A ``TensorStore`` writing safetensors shards into ``spec.path`` (see module doc).
 

@@ -215,11 +215,6 @@ class JsonShape:
                        + _STRING_BYTES * max(strings - members, 0))
 
 
-def json_depth(raw: bytes) -> int:
-    """The deepest nesting of arrays and objects in the JSON text ``raw`` (strings skipped)."""
-    return JsonShape(raw).depth
-
-
 class _RepeatedKey(ValueError):
     pass
 

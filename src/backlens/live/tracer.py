@@ -64,10 +64,6 @@ class Tracer(WithBody):
         return self
 
     @property
-    def _lens_root_of(self) -> Any:
-        return self._lens._lens_root
-
-    @property
     def _model(self) -> nn.Module:
         return self._lens._lens_module
 
