@@ -6,10 +6,10 @@ Two measurements (API.md §2):
    vocab 1000), batch 4 x seq 64, one intra-op thread: a trace that reads all
    four blocks' outputs and saves their gradients in a ``with loss.backward():``
    block, against plain forward + backward with a tensor hook on each block's
-   output. Each round runs plain and traced twice in ABBA order and keeps the
-   faster of each; the median of the per-round ratios is printed, in CPU time
-   (what the code cost) and wall time. Target: <= 1.03x, and no higher than the
-   peer's ratio for the same body, measured in the same run.
+   output. Each round runs plain and traced four times in ABBA BAAB order and
+   keeps the fastest of each; the median of the per-round ratios is printed, in
+   CPU time (what the code cost) and wall time. Target: <= 1.03x, and no higher
+   than the peer's ratio for the same body, measured in the same run.
 
 2. **Fixed cost per trace on a tiny model**, against the peer: trace time minus
    the plain equivalent, for a forward-only body, a forward + backward-block
@@ -21,6 +21,14 @@ dependency of backlens. Each side is measured by a worker subprocess running
 this same file, started the same way, and the two take turns round by round
 (who goes first alternating), so drift in a shared machine's load hits both
 alike.
+
+The plain steps call ``torch.autograd.backward(loss)``: stock PyTorch in both
+workers. The peer replaces ``torch.Tensor.backward`` when it is imported, so
+in its worker a plain ``loss.backward()`` would run the peer's own code first
+(it looks for a ``with`` block in the caller's source and finds none): a cost
+on every plain step that would lower its traced/plain ratio without making its
+trace any faster. backlens leaves ``Tensor.backward`` alone. What a plain
+``.backward()`` costs beyond torch's function in each worker is printed last.
 
 Both workers run with glibc's malloc thresholds fixed (``MALLOC_MMAP_THRESHOLD_``
 32 MiB, ``MALLOC_TRIM_THRESHOLD_`` 64 MiB: where glibc's own adjustment ends
@@ -90,10 +98,14 @@ class Workload:
         self.tiny_lens = wrap(self.tiny)
         self.traced = self._tiny_traced()
         self.plain = self._tiny_plain()
+        self.backward_forms = self._tiny_backward_forms()
         for name in BODIES:
             for _ in range(100):  # warm caches, pools and allocators
                 self.traced[name]()
                 self.plain[name]()
+        for form in self.backward_forms.values():
+            for _ in range(100):
+                form()
         if gpt2:
             self._gpt2_setup(wrap)
 
@@ -119,6 +131,8 @@ class Workload:
         return {"forward": forward, "forward+backward": forward_backward, "forward edit": forward_edit}
 
     def _tiny_plain(self):
+        import torch
+
         model, x = self.tiny, self.x
 
         def forward():
@@ -127,13 +141,33 @@ class Workload:
         def forward_backward():
             h = model[0](x)
             h.register_hook(lambda grad: None)
-            model[2](model[1](h)).sum().backward()
+            torch.autograd.backward(model[2](model[1](h)).sum())  # stock PyTorch in both workers (see the docstring)
 
         def forward_edit():
             h = model[0](x) * 2
             model[2](model[1](h))
 
         return {"forward": forward, "forward+backward": forward_backward, "forward edit": forward_edit}
+
+    def _tiny_backward_forms(self):
+        """A plain step outside any trace, its backward spelled as a method and as torch's function."""
+        import torch
+
+        model, x = self.tiny, self.x
+
+        def method():
+            model(x).sum().backward()
+
+        def function():
+            torch.autograd.backward(model(x).sum())
+
+        return {"method": method, "function": function}
+
+    def backward_tax(self, repeats: int, clock: str) -> dict[str, float]:
+        """One round: median time of a plain step calling ``.backward()``, and calling
+        ``torch.autograd.backward`` (microseconds)."""
+        tick = CLOCKS[clock]
+        return {form: _median_us(fn, repeats, tick) for form, fn in self.backward_forms.items()}
 
     def fixed(self, body: str, repeats: int, clock: str) -> dict[str, float]:
         """One round: median traced and plain time of ``body``, microseconds."""
@@ -166,7 +200,7 @@ class Workload:
             finally:
                 for handle in handles:
                     handle.remove()
-            out.logits.sum().backward()
+            torch.autograd.backward(out.logits.sum())  # stock PyTorch in both workers (see the docstring)
             model.zero_grad(set_to_none=True)
             return [kept[i] for i in range(len(blocks))]
 
@@ -187,13 +221,13 @@ class Workload:
         self.gpt2_plain, self.gpt2_traced = plain, traced
 
     def gpt2(self, traced_first: bool) -> dict[str, float]:
-        """One round: two plain and two traced GPT-2 steps in ABBA order, the faster of each
-        (milliseconds, wall and CPU): the order cancels drift, the minimum a stray stall."""
+        """One round: four plain and four traced GPT-2 steps in ABBA BAAB order, the fastest of
+        each (milliseconds, wall and CPU): the order cancels drift, the minimum a stray stall."""
         timing: dict[str, float] = {}
         first, second = ("traced", self.gpt2_traced), ("plain", self.gpt2_plain)
         if not traced_first:
             first, second = second, first
-        for name, fn in (first, second, second, first):
+        for name, fn in (first, second, second, first, second, first, first, second):
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             wall, cpu = time.perf_counter(), time.process_time()
             fn()
@@ -201,7 +235,7 @@ class Workload:
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
             timing[name] = min(timing.get(name, wall), wall)
             timing[name + " cpu"] = min(timing.get(name + " cpu", cpu), cpu)
-            timing[name + " faults"] = timing.get(name + " faults", 0) + faults / 2  # the mean of its two steps
+            timing[name + " faults"] = timing.get(name + " faults", 0) + faults / 4  # the mean of its four steps
         timing["same"] = float(self.same)
         return timing
 
@@ -226,6 +260,8 @@ def worker_role(side: str, gpt2: bool) -> None:
         request = json.loads(line)
         if request["what"] == "gpt2":
             answer = work.gpt2(request["traced_first"])
+        elif request["what"] == "backward tax":
+            answer = work.backward_tax(request["repeats"], request["clock"])
         else:
             answer = work.fixed(request["body"], request["repeats"], request["clock"])
         print(json.dumps(answer), flush=True)
@@ -358,6 +394,16 @@ def main() -> None:
                 ours, theirs = (statistics.median(costs[name]) for name in ("backlens", "nnsight"))
                 line += "   (ours no higher)" if ours <= theirs else "   (ours higher)"
             print(line)
+        print(
+            "A plain .backward() outside any trace, tiny model (its time minus torch.autograd.backward's, "
+            f"{args.clock} time, microseconds; median [range] of {args.alternations} rounds):"
+        )
+        taxes: dict[str, list[float]] = {name: [] for name in sides}
+        for r in range(args.alternations):
+            for name, side in _turns(sides, r):
+                got = side.ask(what="backward tax", repeats=args.repeats, clock=args.clock)
+                taxes[name].append(got["method"] - got["function"])
+        print("  " + "   ".join(f"{name} {_span(taxes[name], ' us', 1)}" for name in sides))
     finally:
         for side in sides.values():
             side.close()

@@ -46,6 +46,26 @@ def test_reaches_looks_below_a_node_only():
     assert reaches(nodes[2], nodes[2])
 
 
+def test_sequence_numbers_say_which_of_two_nodes_the_forward_made_first():
+    from backlens import _torch
+
+    out, nodes = chain(5)
+    assert _torch.made_before(nodes[4], nodes[0]) is True
+    assert _torch.made_before(nodes[0], nodes[4]) is False
+    leaf_node = nodes[-1]  # the input's AccumulateGrad carries no sequence number
+    assert type(leaf_node).__name__ == "AccumulateGrad"
+    assert _torch.made_before(leaf_node, nodes[0]) is None
+
+
+def test_the_order_of_two_nodes_is_unknown_without_sequence_numbers(monkeypatch):
+    from backlens import _torch
+
+    out, nodes = chain(5)
+    monkeypatch.setattr(_torch, "HAS_SEQUENCE_NR", False)
+    assert _torch.made_before(nodes[4], nodes[0]) is None
+    assert not reaches(nodes[4], nodes[0])  # answered by the walk instead
+
+
 def test_a_bounded_walk_neither_enters_known_nor_outside_nodes():
     out, nodes = chain(6)
     found, outside = walk_bounded([out.grad_fn], lambda node: node is nodes[2], lambda node: node is nodes[1])

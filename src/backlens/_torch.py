@@ -10,6 +10,7 @@ one) takes the degraded path from the next capture on.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -221,6 +222,17 @@ def node_sequence_nr(node: Any) -> int | None:
         return None
     fn = getattr(node, "_sequence_nr", None)
     return fn() if fn is not None else None
+
+
+def made_before(first: Any, second: Any) -> bool | None:
+    """Whether node ``first`` was made before node ``second`` in the forward (by their sequence
+    numbers); None when unknown (an AccumulateGrad node carries none, or no HAS_SEQUENCE_NR)."""
+    if not HAS_SEQUENCE_NR or type(first).__name__ == "AccumulateGrad" or type(second).__name__ == "AccumulateGrad":
+        return None
+    first_nr, second_nr = getattr(first, "_sequence_nr", None), getattr(second, "_sequence_nr", None)
+    if first_nr is None or second_nr is None:
+        return None
+    return first_nr() < second_nr()
 
 
 def is_custom_function_node(node: Any) -> bool:
@@ -839,6 +851,11 @@ CAPABILITIES = (*CAPABILITIES, Capability(
 def tensor_version(tensor: torch.Tensor) -> int | None:
     """The tensor's in-place version counter, or None without HAS_TENSOR_VERSION."""
     return tensor._version if HAS_TENSOR_VERSION else None
+
+
+def tensor_version_reader() -> Callable[[torch.Tensor], int] | None:
+    """The raw reader of :func:`tensor_version` for hot paths (no Python frame), or None."""
+    return operator.attrgetter("_version") if HAS_TENSOR_VERSION else None
 
 
 # gradient monitor

@@ -219,6 +219,7 @@ class BackwardRun:
         self._served: dict[int, Event] = {}
         self._last: _Target | None = None
         self._handles: list[Any] = []
+        self._version_of = _torch.tensor_version_reader()
 
     @property
     def loss(self) -> Label:
@@ -270,7 +271,10 @@ class BackwardRun:
                 invoke = self.invoke.index if self.invoke is not None else None
                 single = self.tracer._has_inputs if self.tracer is not None else False  # Tracer._single
                 call = BackwardCall(invoke, kept, self.source.filename, self.source.with_line, single=single)
-                with single_threaded_engine():
+                if single_threaded_engine():
+                    with torch.autograd.set_multithreading_enabled(False):
+                        _run_engine(self.tracer, call, self.tensor, self.gradient, retain, self.create_graph, self.inputs)
+                else:
                     _run_engine(self.tracer, call, self.tensor, self.gradient, retain, self.create_graph, self.inputs)
                 self._engine_task = None
                 self._check_hooked = True  # the run is over: nothing left to check as it starts
@@ -355,8 +359,10 @@ class BackwardRun:
     def _arm(self, target: _Target) -> int:
         """Check a new request and hook its tensor; returns the key its event will carry."""
         key = id(target.full)
-        target.node = self._check_path(target)
-        self._check_order(target)
+        target.node = node = self._check_path(target)
+        last = self._last
+        if last is not None and node is not None and last.node is not None:
+            self._check_order(target, last)
         self._expect[key] = target
         self._handles.append(target.full.register_hook(functools.partial(self._on_grad, key)))
         return key
@@ -432,11 +438,9 @@ class BackwardRun:
             if mediator.error is not None:
                 raise StopRun()
 
-    def _check_order(self, target: _Target) -> None:
-        last = self._last
+    def _check_order(self, target: _Target, last: _Target) -> None:
+        """Refuse a request whose gradient arrives before the one served last (both have nodes)."""
         node = target.node
-        if last is None or node is None or last.node is None:
-            return
         if node is last.node or reaches(node, last.node):
             new, old = target.label, last.label
             raise OutOfOrderError(
@@ -456,13 +460,14 @@ class BackwardRun:
         # Recorded before the body runs on: its next request is checked against it.
         self._served[key] = event
         self._last = self._expect[key]
-        version = _torch.tensor_version(grad)
-        before = grad.clone() if version is None else None
+        version_of = self._version_of  # without a version counter, a copy to compare with
+        version = version_of(grad) if version_of is not None else None
+        before = grad.clone() if version_of is None else None
         mediator.serve(event)
         if mediator.error is not None:
             raise StopRun()
         # (also when replaced: the buffer may reach other paths)
-        if _torch.tensor_version(grad) != version if before is None else not _same_values(grad, before):
+        if not _same_values(grad, before) if before is not None else version_of(grad) != version:
             raise self._changed_in_place(self._expect[key])
         return event.value if event.replaced else None
 

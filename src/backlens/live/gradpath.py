@@ -98,8 +98,6 @@ def reaches(start: Any, goal: Any) -> bool:
     """
     if start is goal:
         return True
-    if not (_torch.is_accumulate_grad(start) or _torch.is_accumulate_grad(goal)):
-        first, second = _torch.node_sequence_nr(start), _torch.node_sequence_nr(goal)
-        if first is not None and second is not None and first < second:
-            return False
+    if _torch.made_before(start, goal):
+        return False
     return graph_reaches(start, goal)

@@ -122,6 +122,7 @@ class CallerState(NamedTuple):
 
 
 _new = tuple.__new__
+_NOTHING = contextlib.nullcontext()
 
 
 class _Applied:
@@ -153,73 +154,72 @@ class StateSwitch:
     def __init__(self, body: CallerState):
         self.body = body
         self.driver: CallerState | None = None
-        self._undo: list[Callable[[], None]] | None = None
+        # What undoes the side entered last: the steps of CallerState.apply_over, or for a
+        # grad-mode flip alone the mode to set back.
+        self._undo: list[Callable[[], None]] | bool | None = None
 
     def to_body(self) -> None:
         """Called by the driver right before it switches to the body."""
         # _autocast_now() inlined for its usual answer (this runs at every switch).
         autocast = _NO_AUTOCAST if _any_autocast is not None and not _any_autocast() else _autocast_now()
         self.driver = current = _new(CallerState, (_grad_enabled(), _inference_enabled(), autocast))
-        if self._undo is not None:
-            self._restore()
-        elif current != self.body:
-            self._undo = _switch(current, self.body)
+        self._cross(current, self.body)
 
     def to_driver(self) -> None:
         """Called by the body right before it switches back to the driver."""
         autocast = _NO_AUTOCAST if _any_autocast is not None and not _any_autocast() else _autocast_now()
         self.body = current = _new(CallerState, (_grad_enabled(), _inference_enabled(), autocast))
-        driver = self.driver
-        if self._undo is not None:
-            self._restore()
-        elif driver is not None and current != driver:
-            self._undo = _switch(current, driver)
+        self._cross(current, self.driver)
 
-    def _restore(self) -> None:
-        undo, self._undo = self._undo, None
-        for step in reversed(undo or ()):
-            step()
-
-
-_GRAD_ON = [functools.partial(_set_grad_enabled, True)]
-_GRAD_OFF = [functools.partial(_set_grad_enabled, False)]
-
-
-def _switch(current: CallerState, target: CallerState) -> list[Callable[[], None]]:
-    """Make ``target`` current; the steps back. The usual difference, grad mode alone
-    (the autograd engine runs without it), takes one call."""
-    if current[1] == target[1] and current[2] == target[2]:
-        _set_grad_enabled(target[0])
-        return _GRAD_ON if current[0] else _GRAD_OFF
-    return target.apply_over(current)
+    def _cross(self, current: CallerState, arriving: CallerState | None) -> None:
+        """Undo what entering the side now left applied; else give the arriving side its modes."""
+        undo = self._undo
+        if undo is not None:
+            self._undo = None
+            if type(undo) is bool:
+                _set_grad_enabled(undo)
+            else:
+                for step in reversed(undo):
+                    step()
+        elif arriving is not None and current != arriving:
+            # The usual difference, grad mode alone (the autograd engine runs without it),
+            # is one call each way.
+            if current[1] == arriving[1] and current[2] == arriving[2]:
+                _set_grad_enabled(arriving[0])
+                self._undo = current[0]
+            else:
+                self._undo = arriving.apply_over(current)
 
 
-def single_threaded_engine() -> Any:
-    """Keep the autograd engine's device work in the calling thread, where bodies switch.
+def single_threaded_engine() -> bool:
+    """Whether the autograd engine's device work must be kept in the calling thread, where
+    bodies switch (``torch.autograd.set_multithreading_enabled(False)`` around the run).
 
     The engine runs CPU nodes in the calling thread anyway; only an accelerator's nodes run in
     its device threads. Turning those threads off costs about 3% of a CPU-only backward, so it
     is done only once an accelerator is in use in this process.
     """
-    if not _accelerator_in_use():
-        return _NOTHING
-    return torch.autograd.set_multithreading_enabled(False)
-
-
-_NOTHING = contextlib.nullcontext()
-
-
-def _accelerator_in_use() -> bool:
     for module in _accelerator_modules():
-        initialized = getattr(module, "is_initialized", None)
-        if initialized is not None and initialized():
+        if module.is_initialized():
             return True
     return _mps_available()
 
 
 @functools.cache
 def _accelerator_modules() -> tuple[Any, ...]:
-    return tuple(module for module in (getattr(torch, name, None) for name in ("cuda", "xpu", "mtia")) if module is not None)
+    """The accelerator modules that can be in use in this process: those with a device (checked
+    once, at the first backward block; a torch built without one never initializes it)."""
+    found = []
+    for name in ("cuda", "xpu", "mtia"):
+        module = getattr(torch, name, None)
+        if module is None or getattr(module, "is_initialized", None) is None:
+            continue
+        try:
+            if module.is_available():
+                found.append(module)
+        except Exception:  # a backend that cannot even answer is not in use
+            continue
+    return tuple(found)
 
 
 @functools.cache
