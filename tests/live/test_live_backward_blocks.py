@@ -326,31 +326,20 @@ def test_a_cpu_only_backward_keeps_the_engine_as_stock(lens, x):
     assert torch._C._is_multithreading_enabled()
 
 
-def test_once_an_accelerator_is_in_use_the_engine_runs_its_device_work_in_the_calling_thread(
-    lens, x, monkeypatch
+@pytest.mark.parametrize("in_use", [True, False], ids=["in use", "present, not in use"])
+def test_the_engine_runs_its_device_work_in_the_calling_thread_once_an_accelerator_is_in_use(
+    lens, x, monkeypatch, in_use
 ):
     from backlens.live import torchstate
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: in_use)
     torchstate._accelerator_modules.cache_clear()  # which modules have a device is read once
     try:
-        assert _engine_threads_during_backward(lens, x) is False
+        assert _engine_threads_during_backward(lens, x) is (not in_use)
     finally:
         torchstate._accelerator_modules.cache_clear()
     assert torch._C._is_multithreading_enabled()
-
-
-def test_an_accelerator_present_but_not_in_use_leaves_the_engine_as_stock(lens, x, monkeypatch):
-    from backlens.live import torchstate
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
-    torchstate._accelerator_modules.cache_clear()
-    try:
-        assert _engine_threads_during_backward(lens, x) is True
-    finally:
-        torchstate._accelerator_modules.cache_clear()
 
 
 def test_a_backward_block_in_a_trace_runs_in_the_modes_its_with_statement_sets(mlp, lens, x):
