@@ -10,12 +10,19 @@ import backlens.live as bl
 from backlens.errors import NoGradForwardError, NoGradientPathError, OutOfOrderError, TraceError
 
 
-def test_grad_read_in_a_backward_block_equals_plain_autograd(mlp, lens, x):
-    ref = reference(mlp, x, ["fc2"])
+def served_grad(lens, x, module_of):
+    """The gradient a backward block serves for one module's output (``module_of(lens)``),
+    the loss being the model output's sum."""
     with lens.trace(x):
-        h = lens.fc2.output
+        h = module_of(lens).output
         with lens.output.sum().backward():
             g = h.grad.save()
+    return g
+
+
+def test_grad_read_in_a_backward_block_equals_plain_autograd(mlp, lens, x):
+    ref = reference(mlp, x, ["fc2"])
+    g = served_grad(lens, x, lambda lens: lens.fc2)
     assert torch.equal(g, ref["fc2"][1])
     assert_clean(mlp)
 
@@ -370,10 +377,7 @@ def test_a_later_with_item_that_fails_skips_the_backward_block_and_leaves_nothin
             with loss.backward(), Boom():
                 g = h.grad.save()
     ref = reference(mlp, x, ["fc1"])
-    with lens.trace(x):
-        h = lens.fc1.output
-        with lens.output.sum().backward():
-            g = h.grad.save()
+    g = served_grad(lens, x, lambda lens: lens.fc1)
     assert torch.equal(g, ref["fc1"][1])
     assert_clean(mlp)
 
@@ -383,11 +387,7 @@ def test_a_first_request_far_below_the_loss_is_served_and_equals_plain_autograd(
     deep = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(12)))
     x = torch.randn(2, 4)
     ref = reference(deep, x, ["0"])
-    lens = bl.wrap(deep)
-    with lens.trace(x):
-        h = lens[0].output
-        with lens.output.sum().backward():
-            g = h.grad.save()
+    g = served_grad(bl.wrap(deep), x, lambda lens: lens[0])
     assert torch.equal(g, ref["0"][1])
     assert_clean(deep)
 
