@@ -22,13 +22,17 @@ this same file, started the same way, and the two take turns round by round
 (who goes first alternating), so drift in a shared machine's load hits both
 alike.
 
-The plain steps call ``torch.autograd.backward(loss)``: stock PyTorch in both
-workers. The peer replaces ``torch.Tensor.backward`` when it is imported, so
-in its worker a plain ``loss.backward()`` would run the peer's own code first
-(it looks for a ``with`` block in the caller's source and finds none): a cost
-on every plain step that would lower its traced/plain ratio without making its
-trace any faster. backlens leaves ``Tensor.backward`` alone. What a plain
-``.backward()`` costs beyond torch's function in each worker is printed last.
+The plain steps are stock PyTorch in both workers: they run on an untouched
+copy of the model (``copy.deepcopy`` before the library wraps it) and call
+``torch.autograd.backward(loss)``. The peer changes both when it wraps a model
+and when it is imported: it puts its own controller in place of every module's
+``forward`` (each module call then runs its Python code, in or out of a trace),
+and replaces ``torch.Tensor.backward`` (a plain ``loss.backward()`` then looks
+for a ``with`` block in the caller's source and finds none). Each is a cost on
+every plain step that would lower its traced/plain ratio without making its
+trace any faster. backlens changes neither. What a plain step on the wrapped
+tiny model costs beyond the same step on its untouched copy, and what a plain
+``.backward()`` costs beyond torch's function, are printed last for each side.
 
 Both workers run with glibc's malloc thresholds fixed (``MALLOC_MMAP_THRESHOLD_``
 32 MiB, ``MALLOC_TRIM_THRESHOLD_`` 64 MiB: where glibc's own adjustment ends
@@ -51,6 +55,7 @@ Timing figures are printed, never asserted.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import resource
@@ -94,6 +99,7 @@ class Workload:
         torch.set_num_threads(1)
         torch.manual_seed(0)
         self.tiny = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+        self.tiny_untouched = copy.deepcopy(self.tiny)  # plain steps run stock (see the docstring)
         self.x = torch.randn(2, 4)
         self.tiny_lens = wrap(self.tiny)
         self.traced = self._tiny_traced()
@@ -133,7 +139,7 @@ class Workload:
     def _tiny_plain(self):
         import torch
 
-        model, x = self.tiny, self.x
+        model, x = self.tiny_untouched, self.x
 
         def forward():
             model(x)
@@ -150,10 +156,11 @@ class Workload:
         return {"forward": forward, "forward+backward": forward_backward, "forward edit": forward_edit}
 
     def _tiny_backward_forms(self):
-        """A plain step outside any trace, its backward spelled as a method and as torch's function."""
+        """A plain step outside any trace on the wrapped model, its backward spelled as a method
+        and as torch's function, and the function's step on the untouched copy."""
         import torch
 
-        model, x = self.tiny, self.x
+        model, untouched, x = self.tiny, self.tiny_untouched, self.x
 
         def method():
             model(x).sum().backward()
@@ -161,11 +168,15 @@ class Workload:
         def function():
             torch.autograd.backward(model(x).sum())
 
-        return {"method": method, "function": function}
+        def untouched_function():
+            torch.autograd.backward(untouched(x).sum())
+
+        return {"method": method, "function": function, "untouched": untouched_function}
 
     def backward_tax(self, repeats: int, clock: str) -> dict[str, float]:
-        """One round: median time of a plain step calling ``.backward()``, and calling
-        ``torch.autograd.backward`` (microseconds)."""
+        """One round: median time of a plain step on the wrapped model calling ``.backward()``
+        and calling ``torch.autograd.backward``, and of the latter on the untouched copy
+        (microseconds)."""
         tick = CLOCKS[clock]
         return {form: _median_us(fn, repeats, tick) for form, fn in self.backward_forms.items()}
 
@@ -181,9 +192,10 @@ class Workload:
         torch.manual_seed(0)
         config = GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=1000, n_positions=64)
         model = GPT2LMHeadModel(config).eval()
+        untouched = copy.deepcopy(model)  # plain steps run stock (see the docstring)
         x = torch.randint(0, 1000, (4, 64))
         lens = wrap(model)
-        blocks = list(model.transformer.h)
+        blocks = list(untouched.transformer.h)
 
         def plain():
             kept = {}
@@ -196,12 +208,12 @@ class Workload:
 
                 handles.append(block.register_forward_hook(hook))
             try:
-                out = model(x)
+                out = untouched(x)
             finally:
                 for handle in handles:
                     handle.remove()
-            torch.autograd.backward(out.logits.sum())  # stock PyTorch in both workers (see the docstring)
-            model.zero_grad(set_to_none=True)
+            torch.autograd.backward(out.logits.sum())
+            untouched.zero_grad(set_to_none=True)
             return [kept[i] for i in range(len(blocks))]
 
         def traced():
@@ -395,15 +407,19 @@ def main() -> None:
                 line += "   (ours no higher)" if ours <= theirs else "   (ours higher)"
             print(line)
         print(
-            "A plain .backward() outside any trace, tiny model (its time minus torch.autograd.backward's, "
+            "A plain step outside any trace, tiny model (cost beyond stock, "
             f"{args.clock} time, microseconds; median [range] of {args.alternations} rounds):"
         )
-        taxes: dict[str, list[float]] = {name: [] for name in sides}
+        taxes: dict[str, dict[str, list[float]]] = {name: {"wrap": [], "backward": []} for name in sides}
         for r in range(args.alternations):
             for name, side in _turns(sides, r):
                 got = side.ask(what="backward tax", repeats=args.repeats, clock=args.clock)
-                taxes[name].append(got["method"] - got["function"])
-        print("  " + "   ".join(f"{name} {_span(taxes[name], ' us', 1)}" for name in sides))
+                taxes[name]["wrap"].append(got["function"] - got["untouched"])
+                taxes[name]["backward"].append(got["method"] - got["function"])
+        print("  on the wrapped model (minus its untouched copy):      "
+              + "   ".join(f"{name} {_span(taxes[name]['wrap'], ' us', 1)}" for name in sides))
+        print("  .backward() (minus torch.autograd.backward, wrapped): "
+              + "   ".join(f"{name} {_span(taxes[name]['backward'], ' us', 1)}" for name in sides))
     finally:
         for side in sides.values():
             side.close()
