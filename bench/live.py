@@ -9,7 +9,9 @@ Two measurements (API.md §2):
    output. Each round runs plain and traced four times in ABBA BAAB order and
    keeps the fastest of each; the median of the per-round ratios is printed, in
    CPU time (what the code cost) and wall time. Target: <= 1.03x, and no higher
-   than the peer's ratio for the same body, measured in the same run.
+   than the peer's ratio for the same body, measured in the same run. The
+   difference of the two sides' ratios, round by round, is printed with the
+   standard error of its median: the noise the verdict sits in.
 
 2. **Fixed cost per trace on a tiny model**, against the peer: trace time minus
    the plain equivalent, for a forward-only body, a forward + backward-block
@@ -327,6 +329,14 @@ def _span(values: list[float], unit: str, digits: int) -> str:
     return f"{mid:.{digits}f}{unit} [{low:.{digits}f}-{high:.{digits}f}]"
 
 
+def _paired(ours: list[float], theirs: list[float]) -> str:
+    """Ours minus the peer's ratio round by round (the two sides ran back to back): its
+    median and that median's standard error (1.25 sd / sqrt(n)), in points of plain."""
+    differences = [(a - b) * 100 for a, b in zip(ours, theirs)]
+    error = 1.25 * statistics.stdev(differences) / len(differences) ** 0.5 if len(differences) > 1 else float("nan")
+    return f"ours minus the peer's, round by round: median {statistics.median(differences):+.2f} +/- {error:.2f} points"
+
+
 def _turns(sides: dict, r: int):
     """The sides in this round's order (who goes first alternates)."""
     names = list(sides)
@@ -390,6 +400,7 @@ def main() -> None:
                     ours, theirs = (statistics.median(ratios[name][clock]) for name in ("backlens", "nnsight"))
                     verdict = "met" if ours <= 1.03 and ours <= theirs else "NOT met"
                     print(f"  target <= 1.03x and <= the peer's ({clock}): backlens {ours:.3f}x, nnsight {theirs:.3f}x ({verdict})")
+                    print(f"    {_paired(ratios['backlens'][clock], ratios['nnsight'][clock])}")
 
         print(
             f"Fixed cost per trace, tiny model (trace minus plain, {args.clock} time, microseconds; "
