@@ -227,12 +227,12 @@ def node_sequence_nr(node: Any) -> int | None:
 def made_before(first: Any, second: Any) -> bool | None:
     """Whether node ``first`` was made before node ``second`` in the forward (by their sequence
     numbers); None when unknown (an AccumulateGrad node carries none, or no HAS_SEQUENCE_NR)."""
-    if not HAS_SEQUENCE_NR or is_accumulate_grad(first) or is_accumulate_grad(second):
+    if is_accumulate_grad(first) or is_accumulate_grad(second):
         return None
-    first_nr, second_nr = getattr(first, "_sequence_nr", None), getattr(second, "_sequence_nr", None)
+    first_nr, second_nr = node_sequence_nr(first), node_sequence_nr(second)
     if first_nr is None or second_nr is None:
         return None
-    return first_nr() < second_nr()
+    return first_nr < second_nr
 
 
 def is_custom_function_node(node: Any) -> bool:
