@@ -177,6 +177,26 @@ def test_without_the_engine_node_query_a_live_block_walks_the_graph_to_check_req
                 side.grad  # noqa: B018  (a request, for its effect)
 
 
+def test_without_the_hook_dictionary_a_live_read_hooks_its_tensor_through_register_hook(monkeypatch):
+    without(monkeypatch, "HAS_TENSOR_HOOK_DICT")
+    registered = []
+    stock_register_hook = torch.Tensor.register_hook
+    monkeypatch.setattr(torch.Tensor, "register_hook", lambda self, hook: registered.append(hook) or stock_register_hook(self, hook))
+    model, x = model_and_input()
+    lens = bl.wrap(model)
+    kept = []
+    reference = copy.deepcopy(model)
+    reference.net[2].register_forward_hook(lambda m, i, out: [out.register_hook(kept.append)] and None)
+    reference(x).sum().backward()
+    registered.clear()
+    with lens.trace(x):
+        h = lens.net[2].output
+        with lens.output.sum().backward():
+            g = h.grad.save()
+    assert torch.equal(g, kept[0])
+    assert len(registered) == 1
+
+
 def test_without_the_kernel_query_a_composite_op_is_counted_as_one_op(monkeypatch):
     composite = aten.einsum.default
     monkeypatch.setattr(formulas, "_plans", {})

@@ -220,6 +220,9 @@ class BackwardRun:
         self._last: _Target | None = None
         self._handles: list[Any] = []
         self._version_of = _torch.tensor_version_reader()
+        # Whether the engine run can say which nodes it runs (not for ``inputs=``: it runs only
+        # the paths to them, and a request off them gets its own error at the end).
+        self._engine_answers = _torch.HAS_ENGINE_NODE_QUERY and self.inputs is None and tensor.grad_fn is not None
 
     @property
     def loss(self) -> Label:
@@ -324,12 +327,6 @@ class BackwardRun:
         batch = self.forward.batch if self.forward is not None else 0
         event.replace(rows_mod.put_gradient(event.value, value, target.rows, batch, target.label.grad))
 
-    def _target(self, tensor: torch.Tensor, block: Block | None, frame: types.FrameType | None) -> _Target:
-        served = self.forward.served_rows(tensor) if self.forward is not None else None
-        if served is not None:
-            return _Target(tensor, block, frame, None, served[0], served[1])
-        return _Target(tensor, block, frame, None, None, tensor)
-
     def _event_for(self, tensor: torch.Tensor, frame: types.FrameType, writing: bool) -> tuple[Event, _Target]:
         """The event carrying the gradient of ``tensor``'s target, waiting for it if needed.
 
@@ -337,9 +334,15 @@ class BackwardRun:
         which part is ``tensor``'s, so two invokes' views of one batched tensor
         share one event and each reads and writes only its own rows.
         """
+        # The hot path of every read: few calls, as each one runs with the caches the
+        # engine's kernels have just emptied.
         mediator = self.mediator
         assert mediator is not None
-        target = self._target(tensor, mediator.block, frame)
+        served_rows = self.forward.served_rows(tensor) if self.forward is not None else None
+        if served_rows is None:
+            target = _Target(tensor, mediator.block, frame, None, None, tensor)
+        else:
+            target = _Target(tensor, mediator.block, frame, None, served_rows[0], served_rows[1])
         key = id(target.full)
         event = mediator.event
         if event is not None and event.key == key:
@@ -361,10 +364,11 @@ class BackwardRun:
         key = id(target.full)
         target.node = node = self._check_path(target)
         last = self._last
-        if last is not None and node is not None and last.node is not None:
+        # Made before the one served last (the usual order): answered by sequence numbers.
+        if last is not None and node is not None and last.node is not None and not _torch.made_before(node, last.node):
             self._check_order(target, last)
         self._expect[key] = target
-        self._handles.append(target.full.register_hook(functools.partial(self._on_grad, key)))
+        self._handles.append(_torch.add_tensor_hook(target.full, functools.partial(self._on_grad, key)))
         return key
 
     def _check_path(self, target: _Target) -> Any:
@@ -375,7 +379,7 @@ class BackwardRun:
                 f"gradient flows into it from {self.loss}."
             )
         node = full.grad_fn
-        if node is not None and self._engine_answers():
+        if node is not None and self._engine_answers:
             # Asked of the engine run, which knows its nodes: walking a fresh graph costs more
             # than the rest of a block. Before the run starts, asked as it starts (_check_in_engine).
             if node is self.tensor.grad_fn:
@@ -406,11 +410,6 @@ class BackwardRun:
             f"{target.label.grad} was requested, but {self.loss} does not depend on {target.label}, "
             "so no gradient flows into it in this backward."
         )
-
-    def _engine_answers(self) -> bool:
-        """Whether the engine run can say which nodes it runs (not for ``inputs=``: it runs
-        only the paths to them, and a request off them gets its own error at the end)."""
-        return _torch.HAS_ENGINE_NODE_QUERY and self.inputs is None and self.tensor.grad_fn is not None
 
     def _check_when_engine_starts(self) -> None:
         """Have the engine's first node check the request made before the run (once, before it).

@@ -55,9 +55,11 @@ def _served(value: Any) -> BackwardRun | None:
 
 def _grad_of(value: Any) -> Any:
     """``X.grad`` read in a backward body."""
-    run = _served(value)
-    if run is not None:
-        return run.read_grad(value, sys._getframe(1))
+    # _served, spelled out: this runs at every read, mid-backward, where each call costs.
+    if isinstance(value, torch.Tensor):
+        block = current_block()
+        if block is not None and block.kind == "backward":
+            return block.backward.read_grad(value, sys._getframe(1))
     return value.grad
 
 
