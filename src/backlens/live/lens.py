@@ -192,6 +192,11 @@ class Lens:
         module = self._lens_module
         child = _torch.module_children(module).get(name)
         if child is not None:
+            # _child's first lines: a body reads its modules' lenses right after a hand-over,
+            # with the caches the model's kernels emptied, where each call costs.
+            known = self._lens_children.get((name, None))
+            if known is not None and known._lens_module is child:
+                return known
             return self._child(child, name)
         try:
             value = getattr(module, name)

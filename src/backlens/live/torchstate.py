@@ -152,8 +152,10 @@ class StateSwitch:
     __slots__ = ("body", "driver", "_undo")
 
     def __init__(self, body: CallerState):
-        self.body = body
-        self.driver: CallerState | None = None
+        # Each side's modes as a plain tuple, in CallerState's order: built at every switch, a
+        # CallerState only where they differ in more than grad mode.
+        self.body: tuple[bool, bool, Autocast] = body
+        self.driver: tuple[bool, bool, Autocast] | None = None
         # What undoes the side entered last: the steps of CallerState.apply_over, or for a
         # grad-mode flip alone the mode to set back.
         self._undo: list[Callable[[], None]] | bool | None = None
@@ -162,16 +164,16 @@ class StateSwitch:
         """Called by the driver right before it switches to the body."""
         # _autocast_now() inlined for its usual answer (this runs at every switch).
         autocast = _NO_AUTOCAST if _any_autocast is not None and not _any_autocast() else _autocast_now()
-        self.driver = current = _new(CallerState, (_grad_enabled(), _inference_enabled(), autocast))
+        self.driver = current = (_grad_enabled(), _inference_enabled(), autocast)
         self._cross(current, self.body)
 
     def to_driver(self) -> None:
         """Called by the body right before it switches back to the driver."""
         autocast = _NO_AUTOCAST if _any_autocast is not None and not _any_autocast() else _autocast_now()
-        self.body = current = _new(CallerState, (_grad_enabled(), _inference_enabled(), autocast))
+        self.body = current = (_grad_enabled(), _inference_enabled(), autocast)
         self._cross(current, self.driver)
 
-    def _cross(self, current: CallerState, arriving: CallerState | None) -> None:
+    def _cross(self, current: tuple[bool, bool, Autocast], arriving: tuple[bool, bool, Autocast] | None) -> None:
         """Undo what entering the side now left applied; else give the arriving side its modes."""
         undo = self._undo
         if undo is not None:
@@ -188,7 +190,7 @@ class StateSwitch:
                 _set_grad_enabled(arriving[0])
                 self._undo = current[0]
             else:
-                self._undo = arriving.apply_over(current)
+                self._undo = _new(CallerState, arriving).apply_over(_new(CallerState, current))
 
 
 def single_threaded_engine() -> bool:
