@@ -406,7 +406,8 @@ def add_tensor_hook(tensor: torch.Tensor, hook: Callable[[torch.Tensor], Any]) -
     """``tensor.register_hook(hook)``: the same dictionary, registered with the tensor's node the
     same way the first time, keys from the same counter (so hooks run in the order they were
     added, whoever added them); a subclass, or a tensor that cannot take a hook, goes through
-    ``register_hook`` itself. Returns a handle whose ``remove()`` takes the hook off."""
+    ``register_hook`` itself. A torch function mode does not see the call: the hook is
+    backlens's own bookkeeping. Returns a handle whose ``remove()`` takes the hook off."""
     if not HAS_TENSOR_HOOK_DICT or type(tensor) not in _PLAIN_TENSOR_TYPES or not tensor.requires_grad:
         return tensor.register_hook(hook)  # a subclass's override, or torch's own error
     hooks = tensor._backward_hooks

@@ -132,6 +132,22 @@ def test_the_callers_autocast_applies_inside_the_body(lens, x):
     assert on is True and product.dtype == torch.bfloat16
 
 
+def test_inference_mode_and_autocast_a_body_turns_on_do_not_reach_the_model_while_it_waits(lens, x):
+    seen = []
+    lens._lens_module.fc2.register_forward_hook(
+        lambda m, i, out: seen.append((torch.is_inference_mode_enabled(), torch.is_autocast_enabled("cpu")))
+    )
+    with lens.trace(x):
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+            h = lens.fc1.output.save()  # waits here with both on
+            modes = bl.save((torch.is_inference_mode_enabled(), torch.is_autocast_enabled("cpu")))
+        out = lens.output.save()
+    assert seen == [(False, False)]
+    assert modes == (True, True)
+    assert not out.is_inference() and out.dtype == torch.float32
+    assert h.dtype == torch.float32
+
+
 def test_the_tracer_cannot_be_entered_twice(lens, x):
     tracer = lens.trace(x)
     with tracer:
