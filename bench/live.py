@@ -349,7 +349,7 @@ def main() -> None:
     parser.add_argument("--side", choices=["backlens", "nnsight"], default="backlens", help=argparse.SUPPRESS)
     parser.add_argument("--rounds", type=int, default=60, help="GPT-2 rounds per side")
     parser.add_argument("--repeats", type=int, default=300, help="timed traces per tiny-model round")
-    parser.add_argument("--alternations", type=int, default=8, help="tiny-model rounds per side and body")
+    parser.add_argument("--alternations", type=int, default=24, help="tiny-model rounds per side and body")
     parser.add_argument("--clock", choices=list(CLOCKS), default="cpu", help="clock of the tiny-model figures")
     parser.add_argument("--skip-peer", action="store_true")
     parser.add_argument("--skip-gpt2", action="store_true")
