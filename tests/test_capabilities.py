@@ -157,19 +157,29 @@ def test_without_node_prehooks_a_capture_records_the_forward_and_says_why(monkey
         bl.capture(model, x, intervene=bl.when(bl.grad("relu_1"), bl.scale(2.0)))
 
 
-def test_without_the_engine_node_query_a_live_block_walks_the_graph_to_check_requests(monkeypatch):
-    without(monkeypatch, "HAS_ENGINE_NODE_QUERY")
-    model, x = model_and_input()
-    lens = bl.wrap(model)
+def stock_grad_of_net2(model, x):
+    """The gradient reaching ``model.net[2]``'s output in a stock backward of ``model(x).sum()``."""
     kept = []
     reference = copy.deepcopy(model)
     reference.net[2].register_forward_hook(lambda m, i, out: [out.register_hook(kept.append)] and None)
     reference(x).sum().backward()
+    return kept[0]
+
+
+def live_grad_of_net2(lens, x):
+    """The same gradient, read in a live backward block."""
     with lens.trace(x):
         h = lens.net[2].output
         with lens.output.sum().backward():
             g = h.grad.save()
-    assert torch.equal(g, kept[0])
+    return g
+
+
+def test_without_the_engine_node_query_a_live_block_walks_the_graph_to_check_requests(monkeypatch):
+    without(monkeypatch, "HAS_ENGINE_NODE_QUERY")
+    model, x = model_and_input()
+    lens = bl.wrap(model)
+    assert torch.equal(live_grad_of_net2(lens, x), stock_grad_of_net2(model, x))
     with pytest.raises(bl.NoGradientPathError):
         with lens.trace(x):
             side = lens.net[0].output * 3
@@ -179,21 +189,13 @@ def test_without_the_engine_node_query_a_live_block_walks_the_graph_to_check_req
 
 def test_without_the_hook_dictionary_a_live_read_hooks_its_tensor_through_register_hook(monkeypatch):
     without(monkeypatch, "HAS_TENSOR_HOOK_DICT")
+    model, x = model_and_input()
+    lens = bl.wrap(model)
+    stock = stock_grad_of_net2(model, x)
     registered = []
     stock_register_hook = torch.Tensor.register_hook
     monkeypatch.setattr(torch.Tensor, "register_hook", lambda self, hook: registered.append(hook) or stock_register_hook(self, hook))
-    model, x = model_and_input()
-    lens = bl.wrap(model)
-    kept = []
-    reference = copy.deepcopy(model)
-    reference.net[2].register_forward_hook(lambda m, i, out: [out.register_hook(kept.append)] and None)
-    reference(x).sum().backward()
-    registered.clear()
-    with lens.trace(x):
-        h = lens.net[2].output
-        with lens.output.sum().backward():
-            g = h.grad.save()
-    assert torch.equal(g, kept[0])
+    assert torch.equal(live_grad_of_net2(lens, x), stock)
     assert len(registered) == 1
 
 
