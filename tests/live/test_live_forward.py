@@ -147,6 +147,19 @@ def test_lens_attributes_mirror_the_module_tree():
         lens.outptu = 1
 
 
+@pytest.mark.parametrize("container", [nn.ModuleList, nn.Sequential])
+def test_an_index_into_a_module_list_or_sequential_reaches_the_module_torchs_indexing_does(container):
+    modules = [nn.Linear(2, 2), nn.ReLU(), nn.Tanh(), nn.Linear(2, 2)]
+    layers = nn.ModuleList(modules) if container is nn.ModuleList else nn.Sequential(*modules)
+    del layers[1]  # the list renumbers its children, the sequential keeps their names
+    lens = bl.wrap(nn.ModuleDict({"layers": layers}))
+    for index in range(-len(layers), len(layers)):
+        assert lens.layers[index]._lens_module is layers[index]
+    for index in (len(layers), -len(layers) - 1):
+        with pytest.raises(IndexError, match=f"index {index} is out of range"):
+            lens.layers[index]  # noqa: B018  (an index, for its error)
+
+
 def test_a_submodule_named_like_a_lens_attribute_is_reached_by_name():
     class Block(nn.Module):
         def __init__(self):

@@ -214,11 +214,17 @@ class Lens:
             return self._child(child, key, f"[{key!r}]")
         if type(key) is int and isinstance(module, (nn.Sequential, nn.ModuleList)):
             children = _torch.module_children(module)
-            names = list(children)
-            try:
-                name = names[key]
-            except IndexError:
-                raise IndexError(f"index {key} is out of range for {self!r} ({len(names)} children)") from None
+            count = len(children)
+            if isinstance(module, nn.ModuleList):
+                # Its children are named "0", "1", ... in order (its own indexing relies on that):
+                # no list of names per index, which a loop over a deep model's layers would build.
+                position = key + count if key < 0 else key
+                name = str(position) if 0 <= position < count else None
+            else:
+                names = list(children)
+                name = names[key] if -count <= key < count else None
+            if name is None or name not in children:
+                raise IndexError(f"index {key} is out of range for {self!r} ({count} children)")
             return self._child(children[name], name, f"[{key}]")  # type: ignore[arg-type]
         item = module[key]  # type: ignore[index]
         if isinstance(key, slice):
