@@ -364,21 +364,13 @@ from backlens._torch_distributed import set_fsdp_comms as set_fsdp_comms  # noqa
 CAPABILITIES = (*CAPABILITIES, FSDP_COMM_OBJECTS)
 
 
-# tensor hooks
-# Tensor.register_hook is Python that, on each call, checks for __torch_function__
-# overrides, imports its handle class and builds a RemovableHandle holding a weak
-# reference. A live backward body registers one hook per gradient it reads, in the
-# middle of the backward, between kernels that have just left the caches cold: there
-# those steps cost about 40 µs a read. add_tensor_hook does what register_hook does
-# for a plain tensor, through the same private dictionary.
+# tensor hooks: a live read's gradient hook, in backlens/_torch_tensor_hooks.py (imported only here)
 
-from collections import OrderedDict  # noqa: E402
+from backlens._torch_tensor_hooks import TensorHookHandle as TensorHookHandle  # noqa: E402
+from backlens._torch_tensor_hooks import add_tensor_hook as add_tensor_hook  # noqa: E402
+from backlens._torch_tensor_hooks import hook_dict_present  # noqa: E402
 
-from torch.utils.hooks import RemovableHandle  # noqa: E402
-
-HAS_TENSOR_HOOK_DICT = hasattr(torch._C.TensorBase, "_backward_hooks") and isinstance(
-    getattr(RemovableHandle, "next_id", None), int)
-_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)  # neither overrides __torch_function__
+HAS_TENSOR_HOOK_DICT = hook_dict_present()
 
 CAPABILITIES = (*CAPABILITIES, Capability(
     "HAS_TENSOR_HOOK_DICT",
@@ -387,44 +379,6 @@ CAPABILITIES = (*CAPABILITIES, Capability(
     "mid-backward)",
     "each live read calls Tensor.register_hook",
 ))
-
-
-class TensorHookHandle:
-    """Takes off one hook added by :func:`add_tensor_hook` (a second time: nothing)."""
-
-    __slots__ = ("_hooks", "_key")
-
-    def __init__(self, hooks: dict[int, Any], key: int):
-        self._hooks = hooks
-        self._key = key
-
-    def remove(self) -> None:
-        self._hooks.pop(self._key, None)
-
-
-def add_tensor_hook(tensor: torch.Tensor, hook: Callable[[torch.Tensor], Any]) -> Any:
-    """``tensor.register_hook(hook)``: the same dictionary, registered with the tensor's node the
-    same way the first time, keys from the same counter (so hooks run in the order they were
-    added, whoever added them); a subclass, or a tensor that cannot take a hook, goes through
-    ``register_hook`` itself. A torch function mode does not see the call: the hook is
-    backlens's own bookkeeping. Returns a handle whose ``remove()`` takes the hook off."""
-    if not HAS_TENSOR_HOOK_DICT or type(tensor) not in _PLAIN_TENSOR_TYPES or not tensor.requires_grad:
-        return tensor.register_hook(hook)  # a subclass's override, or torch's own error
-    hooks = tensor._backward_hooks
-    if hooks is None:
-        node = tensor.grad_fn
-        register = getattr(node, "_register_hook_dict", None) if node is not None else None
-        if node is not None and register is None:
-            return tensor.register_hook(hook)
-        hooks = OrderedDict()
-        tensor._backward_hooks = hooks  # a leaf's hooks run from here, a result's from its node
-        if register is not None:
-            register(tensor)
-    key = RemovableHandle.next_id
-    RemovableHandle.next_id = key + 1
-    hooks[key] = hook
-    return TensorHookHandle(hooks, key)
-
 
 # checkpoint witness
 # Each torch.utils.checkpoint invocation in a captured forward is witnessed by
@@ -921,17 +875,14 @@ def tensor_version_reader() -> Callable[[torch.Tensor], int] | None:
     return operator.attrgetter("_version") if HAS_TENSOR_VERSION else None
 
 
-# gradient monitor
-# The monitor's per-step statistics run torch's multi-tensor ("foreach") kernels:
-# one call over every gradient instead of a Python loop of launches (on CPU a
-# few percent faster, on an accelerator one fused launch instead of hundreds).
-# Without these underscore names the monitor loops with the public ops, same results.
+# gradient monitor: torch's multi-tensor kernels, in backlens/_torch_foreach.py (imported only here)
 
-_foreach_norm = getattr(torch, "_foreach_norm", None)
-_foreach_copy = getattr(torch, "_foreach_copy_", None)
-_foreach_sub = getattr(torch, "_foreach_sub_", None)
+from backlens._torch_foreach import FOREACH_PRESENT  # noqa: E402
+from backlens._torch_foreach import foreach_copy_ as foreach_copy_  # noqa: E402
+from backlens._torch_foreach import foreach_norm as foreach_norm  # noqa: E402
+from backlens._torch_foreach import foreach_sub_ as foreach_sub_  # noqa: E402
 
-HAS_FOREACH_KERNELS = None not in (_foreach_norm, _foreach_copy, _foreach_sub)
+HAS_FOREACH_KERNELS = FOREACH_PRESENT
 
 CAPABILITIES = (
     *CAPABILITIES,
@@ -944,43 +895,14 @@ CAPABILITIES = (
 )
 
 
-def foreach_norm(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
-    """The L2 norm of each tensor, accumulated and returned in ``dtype`` (0-d tensors)."""
-    if HAS_FOREACH_KERNELS:
-        return list(_foreach_norm(tensors, 2, dtype=dtype))
-    return [torch.linalg.vector_norm(t, dtype=dtype) for t in tensors]
+# profiler: ranges for a captured backward, in backlens/_torch_profiler.py (imported only here)
 
+from backlens._torch_profiler import RANGES_PRESENT  # noqa: E402
+from backlens._torch_profiler import close_profiler_range as close_profiler_range  # noqa: E402
+from backlens._torch_profiler import open_profiler_range as open_profiler_range  # noqa: E402
+from backlens._torch_profiler import profiler_recording as profiler_recording  # noqa: E402
 
-def foreach_copy_(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-    """``d.copy_(s)`` for each pair."""
-    if HAS_FOREACH_KERNELS:
-        _foreach_copy(destinations, sources)
-        return
-    for destination, source in zip(destinations, sources):
-        destination.copy_(source)
-
-
-def foreach_sub_(tensors: list[torch.Tensor], others: list[torch.Tensor]) -> None:
-    """``t.sub_(o)`` for each pair."""
-    if HAS_FOREACH_KERNELS:
-        _foreach_sub(tensors, others)
-        return
-    for tensor, other in zip(tensors, others):
-        tensor.sub_(other)
-
-
-# profiler ---------------------------------------------------------------------
-# While torch.profiler records, a captured backward marks each node call with a
-# range named by its module address, as torch.profiler.record_function does,
-# through the C entry points that bypass the dispatcher, so the backward's FLOP
-# census never sees them (about 2 us a range, against 10 us through torch.ops).
-# Whether a profiler records is asked once per pass, never per node.
-
-_profiler_enabled = _lookup(_autograd_c, "_profiler_enabled")
-_range_enter = _lookup(_autograd_c, "_record_function_with_args_enter")
-_range_exit = _lookup(_autograd_c, "_record_function_with_args_exit")
-
-HAS_PROFILER_RANGES = None not in (_profiler_enabled, _range_enter, _range_exit)
+HAS_PROFILER_RANGES = RANGES_PRESENT
 
 CAPABILITIES = (
     *CAPABILITIES,
@@ -991,21 +913,6 @@ CAPABILITIES = (
         "torch.profiler shows a captured backward's ops without their module",
     ),
 )
-
-
-def profiler_recording() -> bool:
-    """Whether a torch.profiler (or the autograd profiler) records on this thread now."""
-    return HAS_PROFILER_RANGES and bool(_profiler_enabled())
-
-
-def open_profiler_range(name: str) -> Any:
-    """Begin a user-annotation range named ``name``; returns its handle for
-    :func:`close_profiler_range`."""
-    return _range_enter(name)
-
-
-def close_profiler_range(handle: Any) -> None:
-    _range_exit(handle)
 
 
 # module calls -----------------------------------------------------------------
