@@ -172,6 +172,177 @@ def test_a_trace_adds_no_forward_hook_to_any_module(model):
     assert seen == {"global": 0, "local": 0}
 
 
+# -- subscriptions with classes ---------------------------------------------------
+
+
+def _called(recorder):
+    return [entry[2] for entry in recorder.log if entry[1] == "called"]
+
+
+def _own_entry(cls):
+    return vars(cls).get("_call_impl")
+
+
+def test_a_subscription_with_classes_sees_their_calls_and_leaves_nn_module_as_it_was(model):
+    recorder = Recorder()
+    subscription = _module_calls.subscribe(recorder, {nn.Sequential, nn.Linear})
+    try:
+        assert nn.Module.__dict__["_call_impl"] is STOCK_CALL_IMPL
+        assert _own_entry(nn.Linear) is not None and _own_entry(nn.ReLU) is None
+        out = model(torch.randn(2, 3))
+    finally:
+        subscription.cancel()
+    assert _called(recorder) == [model, model[0]]
+    assert [entry[3] for entry in recorder.log if entry[1] == "returned"][-1] is out
+    assert _own_entry(nn.Linear) is None and _own_entry(nn.Sequential) is None
+    assert not _module_calls.watching()
+
+
+def test_module_classes_lists_the_model_and_every_module_under_it():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Sequential(nn.ReLU(), None), nn.Identity())
+    assert _module_calls.module_classes(model) == {nn.Sequential, nn.Linear, nn.ReLU, nn.Identity}
+
+
+def test_widening_a_subscription_watches_another_class_from_then_on(model):
+    recorder = Recorder()
+    subscription = _module_calls.subscribe(recorder, {nn.Linear})
+    try:
+        model(torch.randn(2, 3))
+        subscription.widen({nn.ReLU})
+        model(torch.randn(2, 3))
+    finally:
+        subscription.cancel()
+    assert _called(recorder) == [model[0], model[0], model[1]]
+    assert _own_entry(nn.ReLU) is None and _own_entry(nn.Linear) is None
+
+
+def test_widening_a_cancelled_subscription_installs_nothing():
+    subscription = _module_calls.subscribe(Recorder(), {nn.Linear})
+    subscription.cancel()
+    subscription.widen({nn.ReLU})
+    assert _own_entry(nn.ReLU) is None and not _module_calls.watching()
+
+
+def test_a_class_with_an_entry_of_its_own_is_left_alone():
+    own_calls = []
+
+    class Own(nn.Module):
+        def _call_impl(self, *args, **kwargs):
+            own_calls.append(self)
+            return nn.Module._call_impl(self, *args, **kwargs)
+
+        def forward(self, x):
+            return x + 1
+
+    module, recorder = Own(), Recorder()
+    entry = _own_entry(Own)
+    subscription = _module_calls.subscribe(recorder, {Own})
+    try:
+        assert _own_entry(Own) is entry
+        module(torch.zeros(1))
+    finally:
+        subscription.cancel()
+    assert own_calls == [module] and recorder.log == []
+    assert _own_entry(Own) is entry
+
+
+def test_a_subclass_of_a_watched_class_is_watched_through_its_own_entry():
+    class Wider(nn.Linear):
+        pass
+
+    module, recorder = Wider(3, 4), Recorder()
+    subscription = _module_calls.subscribe(recorder, {nn.Linear, Wider})
+    try:
+        module(torch.randn(2, 3))
+    finally:
+        subscription.cancel()
+    assert _called(recorder) == [module]
+    assert _own_entry(Wider) is None and _own_entry(nn.Linear) is None
+
+
+def test_a_class_two_subscriptions_hold_keeps_the_wrapper_until_the_last_one_leaves(model):
+    first, second = Recorder("first"), Recorder("second")
+    one = _module_calls.subscribe(first, {nn.Linear})
+    two = _module_calls.subscribe(second, {nn.Linear, nn.ReLU})
+    try:
+        one.cancel()
+        one.cancel()  # idempotent: it takes only its own hold off
+        assert _own_entry(nn.Linear) is not None
+        model(torch.randn(2, 3))
+    finally:
+        two.cancel()
+    assert first.log == [] and _called(second) == [model[0], model[1]]
+    assert _own_entry(nn.Linear) is None and _own_entry(nn.ReLU) is None
+
+
+def test_a_subscriber_with_classes_freed_without_cancelling_takes_its_wrappers_with_it(model):
+    _module_calls.subscribe(Recorder(), {nn.Linear})
+    gc.collect()
+    assert _own_entry(nn.Linear) is None and not _module_calls.watching()
+
+
+def test_subscriptions_with_and_without_classes_nest_in_the_order_they_subscribed(model):
+    log = []
+    everything = _module_calls.subscribe(outer := Recorder("everything", log))
+    linear_only = _module_calls.subscribe(inner := Recorder("linear", log), {nn.Linear})
+    try:
+        model[0](torch.randn(2, 3))
+        everything.cancel()
+        assert nn.Module.__dict__["_call_impl"] is STOCK_CALL_IMPL
+        model(torch.randn(2, 3))
+    finally:
+        linear_only.cancel()
+        everything.cancel()
+    assert [(entry[0], entry[1], entry[2]) for entry in log] == [
+        ("everything", "called", model[0]), ("linear", "called", model[0]),
+        ("linear", "returned", model[0]), ("everything", "returned", model[0]),
+        ("linear", "called", model[0]), ("linear", "returned", model[0]),
+    ]
+    assert outer is not inner
+
+
+def test_a_class_under_nn_modules_wrapper_is_wrapped_the_same_way(model):
+    seeing_all, recorder = Recorder("everything"), Recorder("linear")
+    everything = _module_calls.subscribe(seeing_all)
+    linear_only = _module_calls.subscribe(recorder, {nn.Linear})
+    try:
+        assert _own_entry(nn.Linear) is nn.Module.__dict__["_call_impl"]  # one wrapper for both
+    finally:
+        everything.cancel()
+        linear_only.cancel()
+    assert nn.Module.__dict__["_call_impl"] is STOCK_CALL_IMPL and _own_entry(nn.Linear) is None
+
+
+def test_a_wrapper_someone_set_over_ours_on_a_class_is_left_in_place(model):
+    recorder = Recorder()
+    subscription = _module_calls.subscribe(recorder, {nn.Linear})
+    ours = _own_entry(nn.Linear)
+
+    def theirs(module, *args, **kwargs):
+        return ours(module, *args, **kwargs)
+
+    nn.Linear._call_impl = theirs
+    try:
+        subscription.cancel()
+        assert _own_entry(nn.Linear) is theirs
+        assert torch.equal(model(torch.ones(1, 3)), torch.relu(model[0](torch.ones(1, 3))))
+    finally:
+        del nn.Linear._call_impl
+
+
+def test_without_the_private_entry_a_subscription_with_classes_wraps_their_call(model, monkeypatch):
+    monkeypatch.setattr(_torch, "HAS_MODULE_CALL_IMPL", False)
+    recorder = Recorder()
+    subscription = _module_calls.subscribe(recorder, {nn.Linear})
+    try:
+        assert "__call__" in vars(nn.Linear) and nn.Module.__dict__["__call__"] is STOCK_CALL
+        model(torch.randn(2, 3))
+    finally:
+        subscription.cancel()
+    assert "__call__" not in vars(nn.Linear)
+    assert _called(recorder) == [model[0]]
+
+
 def test_the_capability_is_listed_by_doctor():
     assert "HAS_MODULE_CALL_IMPL" in bl.doctor()
 

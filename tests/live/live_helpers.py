@@ -54,7 +54,13 @@ def assert_clean(model: nn.Module) -> None:
         assert not module._forward_pre_hooks, f"forward pre-hook left on {name or 'the model'}"
     from torch.nn.modules import module as module_mod
 
+    from backlens import _module_calls
+
     assert not module_mod._global_forward_hooks, "a global forward hook is left"
+    ours = {wrapper for _, wrapper in _module_calls._wrappers.values()}
+    for cls in {type(module) for module in model.modules()} | {nn.Module}:
+        for name in ("_call_impl", "__call__"):
+            assert vars(cls).get(name) not in ours, f"the module-call wrapper is left on {cls.__name__}.{name}"
     assert "grad" not in torch.Tensor.__dict__, "Tensor.grad is still patched"
     leaf = torch.ones(3, requires_grad=True)
     result = (leaf * 2).sum().backward()

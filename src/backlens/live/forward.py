@@ -67,6 +67,12 @@ class ForwardRun:
         self._inputs_wanted: set[nn.Module] = set()
         self._arrived: dict[Barrier, list[Mediator]] = {}
         self._injected: dict[Mediator, dict[str, Any]] = {}  # what barriers handed each body
+        # The module calls this run watches: those of the classes of the model's modules and of
+        # every module its lens reached (module_calls explains why not every module call).
+        self._watched: frozenset[type] = tracer._lens._lens_root.classes_to_watch()
+        self._watched_late: set[type] = set()  # watched only once the model ran: whether they ran is unknown
+        self._model_called = False
+        self._subscription: module_calls.Subscription | None = None
 
     # -- what bodies ask for (body side) ---------------------------------------
     def value_for(self, mediator: Mediator, module: nn.Module, address: str, kind: str) -> Event:
@@ -76,10 +82,23 @@ class ForwardRun:
         if event is not None and event.key == key:
             return event
         self._addresses[module] = address
+        if type(module) not in self._watched:  # its class changed since its lens was made
+            self.watch_class(type(module))
         if kind == INPUT:
             self._inputs_wanted.add(module)
         self._waiting.setdefault(key, []).append(mediator)
         return mediator.request(key)
+
+    def watch_class(self, cls: type) -> None:
+        """Watch the calls of ``cls``'s modules from now on (a body reached one that this run
+        did not watch: a module added since, or not registered in the model)."""
+        if cls in self._watched:
+            return
+        self._watched = self._watched | {cls}
+        if self._model_called:
+            self._watched_late.add(cls)
+        if self._subscription is not None:
+            self._subscription.widen((cls,))
 
     def site_of(self, tensor: Any) -> Site | None:
         site = self._sites.get(id(tensor))
@@ -154,7 +173,7 @@ class ForwardRun:
         output = None
         subscription = None
         try:
-            subscription = module_calls.subscribe(self)
+            subscription = self._subscription = module_calls.subscribe(self, self._watched)
             if store is None:
                 output = self._call_model(args, kwargs)
             else:
@@ -167,6 +186,7 @@ class ForwardRun:
         finally:
             if subscription is not None:
                 subscription.cancel()
+                self._subscription = None
             self._inputs_wanted.clear()
             for mediator in self.mediators:  # the first body error (a loop: this runs every trace)
                 if mediator.error is not None:
@@ -184,6 +204,7 @@ class ForwardRun:
         for mediator in self.mediators:
             mediator.start()
             self._after(mediator)
+        self._model_called = True
         output = self.model(*args, **kwargs)
         # The model's own output is served here, once its call has
         # returned: what a body does next (its backward, often) then
@@ -236,6 +257,16 @@ class ForwardRun:
         who = address or f"the model ({type(self.model).__name__})"
         invoke = mediator.block.invoke
         label = f"{site} (invoke {invoke.index})" if invoke is not None else site
+        if type(module) in self._watched_late and module not in self._ran:
+            return TraceError(
+                f"{label} was never served: {who} did not run after the body reached it, and whether "
+                f"it ran before cannot be told: its class, {type(module).__name__}, was not among the "
+                "model's modules when the trace began (it is not a registered submodule, or its class "
+                "changed), so its calls were watched only from then on.",
+                code="module_not_run",
+                remedy="Request module values in forward order; the next trace watches this module "
+                "from its start.",
+            )
         if module in self._ran:
             return TraceError(
                 f"{label} was requested after {who} had already run: values are served while "

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
 from backlens import _args, _torch
+from backlens._module_calls import module_classes
 from backlens.derive.frameworks import refuse_other_framework
 from backlens.errors import BacklensError, TraceError, UnsupportedInputError
 from backlens.live import entry
@@ -33,10 +34,33 @@ from backlens.live.tracer import Tracer
 _OWN = ("output", "input", "inputs")
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class _Root:
     model: nn.Module
     batcher: Batcher
+    # The classes whose module calls a trace watches (ForwardRun): those of the model's modules
+    # when the first trace ran, and of every module a lens of this model reached since.
+    watched: frozenset[type] | None = None
+    reached: set[type] = field(default_factory=set)
+
+    def classes_to_watch(self) -> frozenset[type]:
+        if self.watched is None:
+            self.watched = frozenset(module_classes(self.model) | self.reached)
+        return self.watched
+
+    def reach(self, module: nn.Module) -> None:
+        """A lens was made for ``module``: watch its class from now on, in a running trace of
+        this model too (a body reaches a module before asking for its values)."""
+        cls = type(module)
+        if cls in self.reached:
+            return
+        self.reached.add(cls)
+        if self.watched is not None and cls not in self.watched:
+            self.watched = self.watched | {cls}
+        block = current_block()
+        forward = block.forward if block is not None else None
+        if forward is not None and forward.tracer._lens._lens_root is self:
+            forward.watch_class(cls)
 
 
 class Lens:
@@ -184,6 +208,7 @@ class Lens:
         spelled = step if step is not None else (f".{name}" if self._lens_spelled else name)
         child = Lens(module, self._lens_root, address, self._lens_spelled + spelled)
         children[(name, step)] = child
+        self._lens_root.reach(module)
         return child
 
     def __getattr__(self, name: str) -> Any:
