@@ -160,6 +160,36 @@ def test_an_index_into_a_module_list_or_sequential_reaches_the_module_torchs_ind
             lens.layers[index]  # noqa: B018  (an index, for its error)
 
 
+@pytest.mark.parametrize("container", [nn.ModuleList, nn.Sequential])
+@pytest.mark.parametrize("change", ["delete", "insert", "replace", "append"])
+def test_an_index_reached_before_the_container_changed_reaches_what_torchs_indexing_does_after(container, change):
+    modules = [nn.Linear(2, 2), nn.ReLU(), nn.Tanh(), nn.Linear(2, 2)]
+    layers = nn.ModuleList(modules) if container is nn.ModuleList else nn.Sequential(*modules)
+    lens = bl.wrap(nn.ModuleDict({"layers": layers}))
+    for index in range(-len(layers), len(layers)):
+        assert lens.layers[index]._lens_module is layers[index]  # each index reached (and filed) once
+    if change == "delete":
+        del layers[1]
+    elif change == "insert":
+        layers.insert(1, nn.Sigmoid())
+    elif change == "replace":
+        layers[2] = nn.Sigmoid()
+    else:
+        layers.append(nn.Sigmoid())
+    for index in range(-len(layers), len(layers)):
+        assert lens.layers[index]._lens_module is layers[index]
+
+
+def test_a_child_reached_before_it_was_deleted_is_no_longer_reached():
+    model = nn.Sequential(nn.Linear(2, 2))
+    model.extra = nn.ReLU()
+    lens = bl.wrap(model)
+    assert lens.extra._lens_module is model.extra
+    del model.extra
+    with pytest.raises(AttributeError, match="has no attribute 'extra'"):
+        lens.extra  # noqa: B018  (an attribute, for its error)
+
+
 def test_a_submodule_named_like_a_lens_attribute_is_reached_by_name():
     class Block(nn.Module):
         def __init__(self):

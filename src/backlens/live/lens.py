@@ -70,14 +70,17 @@ class Lens:
     ``_lens_spelled`` the way the user reached it (``transformer.h[1]``).
     """
 
-    __slots__ = ("_lens_module", "_lens_root", "_lens_address", "_lens_spelled", "_lens_children")
+    __slots__ = ("_lens_module", "_lens_root", "_lens_address", "_lens_spelled", "_lens_name", "_lens_children")
 
-    def __init__(self, module: nn.Module, root: _Root, address: str = "", spelled: str | None = None):
+    def __init__(self, module: nn.Module, root: _Root, address: str = "", spelled: str | None = None, name: str = ""):
         object.__setattr__(self, "_lens_module", module)
         object.__setattr__(self, "_lens_root", root)
         object.__setattr__(self, "_lens_address", address)
         object.__setattr__(self, "_lens_spelled", address if spelled is None else spelled)
-        # Children as reached before (a body reaches the same ones at every trace).
+        object.__setattr__(self, "_lens_name", name)  # its module's name in its parent's
+        # Children as reached before (a body reaches the same ones at every trace): by (name,
+        # step as typed), and, for the fast paths of __getattr__ and __getitem__, by the
+        # attribute's name and by a ModuleList's index.
         object.__setattr__(self, "_lens_children", {})
 
     # -- tracing -------------------------------------------------------------
@@ -206,23 +209,31 @@ class Lens:
             return known
         address = f"{self._lens_address}.{name}" if self._lens_address else name
         spelled = step if step is not None else (f".{name}" if self._lens_spelled else name)
-        child = Lens(module, self._lens_root, address, self._lens_spelled + spelled)
+        child = Lens(module, self._lens_root, address, self._lens_spelled + spelled, name)
         children[(name, step)] = child
         self._lens_root.reach(module)
         return child
 
+    # A body reads its modules' lenses right after a hand-over, with the caches the model's
+    # kernels emptied, where each call costs: a child reached before that is still the module's
+    # is returned in a few lookups (filed only where modules keep their children in _modules).
+
     def __getattr__(self, name: str) -> Any:
+        known = self._lens_children.get(name)
+        if known is not None and self._lens_module._modules.get(name) is known._lens_module:
+            return known
+        return self._attribute(name)
+
+    def _attribute(self, name: str) -> Any:
         if name.startswith("__") and name.endswith("__"):
             raise AttributeError(name)
         module = self._lens_module
         child = _torch.module_children(module).get(name)
         if child is not None:
-            # _child's first lines: a body reads its modules' lenses right after a hand-over,
-            # with the caches the model's kernels emptied, where each call costs.
-            known = self._lens_children.get((name, None))
-            if known is not None and known._lens_module is child:
-                return known
-            return self._child(child, name)
+            lens = self._child(child, name)
+            if _torch.HAS_MODULE_DICTS:
+                self._lens_children[name] = lens
+            return lens
         try:
             value = getattr(module, name)
         except AttributeError:
@@ -233,6 +244,13 @@ class Lens:
         return value
 
     def __getitem__(self, key: Any) -> Any:
+        if type(key) is int:
+            known = self._lens_children.get(key)
+            if known is not None and self._lens_module._modules.get(known._lens_name) is known._lens_module:
+                return known
+        return self._item(key)
+
+    def _item(self, key: Any) -> Any:
         module = self._lens_module
         if isinstance(key, str):
             child = module.get_submodule(key)
@@ -250,7 +268,12 @@ class Lens:
                 name = names[key] if -count <= key < count else None
             if name is None or name not in children:
                 raise IndexError(f"index {key} is out of range for {self!r} ({count} children)")
-            return self._child(children[name], name, f"[{key}]")  # type: ignore[arg-type]
+            lens = self._child(children[name], name, f"[{key}]")  # type: ignore[arg-type]
+            # Filed by index only where the index always names the same child: a ModuleList's
+            # (it renames its children when one is inserted or deleted), counted from the start.
+            if key >= 0 and isinstance(module, nn.ModuleList) and _torch.HAS_MODULE_DICTS:
+                self._lens_children[key] = lens
+            return lens
         item = module[key]  # type: ignore[index]
         if isinstance(key, slice):
             return [self._child(m, name, f"[{name}]") for m, name in ((m, self._name_of(m)) for m in item)]
