@@ -559,3 +559,33 @@ def test_a_live_lens_names_children_the_same_without_module_dicts(monkeypatch):
     fast = ([child._lens_address for child in lens], len(lens), lens[2][0]._lens_address, dir(lens))
     without(monkeypatch, "HAS_MODULE_DICTS")
     assert ([child._lens_address for child in lens], len(lens), lens[2][0]._lens_address, dir(lens)) == fast
+
+
+class _Blocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(3, 4)
+        self.parts = nn.ModuleDict({"layers": nn.ModuleList([nn.ReLU(), nn.Linear(4, 2)])})
+
+    def forward(self, x):
+        hidden = self.proj(x)
+        for layer in self.parts["layers"]:
+            hidden = layer(hidden)
+        return hidden
+
+
+def test_without_module_dicts_a_lens_files_no_fast_path_and_a_trace_serves_the_same(monkeypatch):
+    torch.manual_seed(0)
+    model = _Blocks()
+    x = torch.randn(2, 3)
+    relu_out = torch.relu(model.proj(x))
+    without(monkeypatch, "HAS_MODULE_DICTS")
+    lens = bl.wrap(model)
+    with lens.trace(x):
+        hidden = lens.parts.layers[0].output.save()
+        out = lens.output.save()
+    assert torch.equal(hidden, relu_out)
+    assert torch.equal(out, model(x))
+    assert lens.parts._lens_children and all(type(key) is tuple for key in lens.parts._lens_children)
+    assert lens.parts.layers._lens_children
+    assert all(type(key) is tuple for key in lens.parts.layers._lens_children)

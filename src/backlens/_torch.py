@@ -858,6 +858,10 @@ def module_children(module: torch.nn.Module) -> dict[str, Any]:
     return module._modules if HAS_MODULE_DICTS else dict(module.named_children())
 
 
+# module_children's dict in one C call, for a lens's fast path (used only where HAS_MODULE_DICTS).
+children_dict = operator.attrgetter("_modules")
+
+
 # A live backward block notices a gradient its body changed in place by its version.
 HAS_TENSOR_VERSION = isinstance(getattr(torch.empty(0), "_version", None), int)
 CAPABILITIES = (*CAPABILITIES, Capability(

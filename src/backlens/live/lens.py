@@ -32,6 +32,7 @@ from backlens.live.naming import INPUT, OUTPUT, site_name
 from backlens.live.tracer import Tracer
 
 _OWN = ("output", "input", "inputs")
+_children_dict = _torch.children_dict
 
 
 @dataclass(eq=False)
@@ -216,11 +217,11 @@ class Lens:
 
     # A body reads its modules' lenses right after a hand-over, with the caches the model's
     # kernels emptied, where each call costs: a child reached before that is still the module's
-    # is returned in a few lookups (filed only where modules keep their children in _modules).
+    # is returned in a few lookups (filed only where HAS_MODULE_DICTS).
 
     def __getattr__(self, name: str) -> Any:
         known = self._lens_children.get(name)
-        if known is not None and self._lens_module._modules.get(name) is known._lens_module:
+        if known is not None and _children_dict(self._lens_module).get(name) is known._lens_module:
             return known
         return self._attribute(name)
 
@@ -246,7 +247,7 @@ class Lens:
     def __getitem__(self, key: Any) -> Any:
         if type(key) is int:
             known = self._lens_children.get(key)
-            if known is not None and self._lens_module._modules.get(known._lens_name) is known._lens_module:
+            if known is not None and _children_dict(self._lens_module).get(known._lens_name) is known._lens_module:
                 return known
         return self._item(key)
 
